@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call on nvidia-h200-x2: install the carried DSL bundle, run every test (GPU tests included),
+# then the full calibration. Logs and results land under $OUT (results packed in one archive).
+# Usage there: bash .devbundle/install.sh && export PYTHONPATH=$PWD && bash benchmarks/device/h200x2.sh [stage...]
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/xstage-out}
+mkdir -p "$OUT"
+stages=${*:-"info tests calibrate"}
+for stage in $stages; do
+  echo "=== $stage $(date -u +%T)"
+  case $stage in
+    info)
+      nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/info.txt"
+      nvidia-smi topo -m | tee -a "$OUT/info.txt"
+      python3 -c 'import torch, cutlass; print("torch", torch.__version__, "cuda", torch.version.cuda, "dsl", cutlass.__version__, "gpus", torch.cuda.device_count())' | tee -a "$OUT/info.txt" ;;
+    tests)
+      timeout 420 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" ;;
+    calibrate)
+      timeout 420 python3 -m calibrate.cli calibrate --machine h200x2 --out "$OUT/h200x2" 2>&1 | tee "$OUT/calibrate.log"
+      tar czf "$OUT/h200x2.tgz" -C "$OUT" h200x2 && rm -rf "$OUT/h200x2" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done

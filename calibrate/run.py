@@ -1,0 +1,222 @@
+"""``xstage calibrate``: sweep, fit, predict, plot.
+
+On a machine with two or more GPUs with peer access it spawns one process per GPU (NCCL + symmetric
+memory) and measures every ordered pair (``--pairs all``) or the first pair only. With one GPU it says that
+remote calibration needs two GPUs with peer access and runs the local control only. ``--refit RAW.json``
+refits and replots saved measurements without a GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", default=None, help="output folder (default benchmarks/results/<machine>)")
+    p.add_argument("--machine", default=None, help="machine name for the output folder, e.g. h200x2")
+    p.add_argument("--quick", action="store_true", help="coarser grids (about a quarter of the points)")
+    p.add_argument("--pairs", choices=("all", "first"), default="all",
+                   help="measure every ordered GPU pair or only 0->1 (default all)")
+    p.add_argument("--threads", type=int, default=128, help="threads per producer CTA (default 128)")
+    p.add_argument("--buffer-mib", type=int, default=384, help="symmetric destination buffer per GPU")
+    p.add_argument("--timeout-s", type=float, default=2.0, help="bound on every in-kernel wait")
+    p.add_argument("--no-anchors", action="store_true", help="skip the bandwidth anchors")
+    p.add_argument("--refit", metavar="RAW_JSON", default=None,
+                   help="refit and replot saved raw measurements (no GPU needed)")
+
+
+def _machine_name() -> str:
+    import torch
+
+    name = torch.cuda.get_device_name(0).lower()
+    short = name.split()[-1] if name.split() else "gpu"
+    return f"{short}x{torch.cuda.device_count()}"
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc="calibrate", unit="pt", file=sys.stderr, mininterval=1.0)
+    except ImportError:
+        return None
+
+
+def _worker(rank: int, world: int, cfg: dict, init_file: str, result_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(SAFE_ENV)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        from calibrate.anchors import measure_anchors
+        from calibrate.bench import BurstBench
+        from calibrate.sweep import default_sweep
+
+        bench = BurstBench(threads=cfg["threads"], buffer_bytes=cfg["buffer_mib"] << 20,
+                           timeout_s=cfg["timeout_s"])
+        pts = default_sweep(bench.sm_count, quick=cfg["quick"])
+        pairs = [(s, d) for s in range(world) for d in range(world) if s != d]
+        if cfg["pairs"] == "first":
+            pairs = pairs[:1]
+        bar = _progress(len(pairs) * len(pts), rank == 0)
+        t_start = time.time()
+        measurements, failures = [], []
+        # Warm-up: compile every variant and run it once, outside the measurement.
+        # (The variant list is derived from the sweep alone, so every rank runs the same warm-up points.)
+        warmups = {}
+        for p in pts:
+            warmups.setdefault((p.mode == "isolated", p.gap_kind, p.target), p)
+        for p in warmups.values():
+            bench.run_point(p, pairs[0][0], pairs[0][1])
+        for s, d in pairs:
+            for p in pts:
+                try:
+                    m = bench.run_point(p, s, d)
+                    if m is not None:
+                        measurements.append(m)
+                except RuntimeError as e:
+                    failures.append(str(e))
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        anchors = {} if cfg["no_anchors"] else measure_anchors(bench, *pairs[0])
+        gathered = [None] * world
+        dist.all_gather_object(gathered, {"measurements": measurements, "failures": failures})
+        if rank == 0:
+            allm = [m for g in gathered for m in g["measurements"]]
+            allf = sorted({f for g in gathered for f in g["failures"]})
+            with open(result_path, "w") as f:
+                json.dump({"measurements": allm, "failures": allf, "anchors": anchors,
+                           "sweep_seconds": time.time() - t_start, "sm_count": bench.sm_count,
+                           "threads": cfg["threads"], "pairs": pairs}, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_only(cfg: dict) -> dict:
+    """One GPU: the local-memory control alone (no remote path to calibrate)."""
+    import torch
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.update(SAFE_ENV)
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/pg", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        try:
+            from calibrate.bench import BurstBench
+            from calibrate.sweep import default_sweep
+
+            bench = BurstBench(threads=cfg["threads"], buffer_bytes=cfg["buffer_mib"] << 20,
+                               timeout_s=cfg["timeout_s"])
+            out = [bench.run_point(p, 0, 0) for p in default_sweep(bench.sm_count, cfg["quick"])
+                   if p.target == "local"]
+            return {"measurements": out, "sm_count": bench.sm_count}
+        finally:
+            dist.destroy_process_group()
+
+
+def finish(raw: dict, out_dir: str, command: str) -> int:
+    """Fit, predict, write calibration.json / calibration_raw.json / figures; print the summary."""
+    from calibrate.figures import plot_figure3
+    from calibrate.fit import fit_profile
+    from calibrate.profile import save_profile
+    from cute_kernels.runtime import provenance
+
+    prov = raw.get("provenance") or provenance(command)
+    prov.setdefault("source", "measured")
+    prov.setdefault("world_size", raw.get("world_size", 2))
+    prov.setdefault("link", "NVLink (peer mapping through torch symmetric memory)")
+    raw["provenance"] = prov
+    fit = fit_profile(raw["measurements"], raw["sm_count"], prov, raw.get("anchors"))
+    raw["predictions"] = fit.predictions
+    raw["rate_points"] = fit.rate_points
+    os.makedirs(out_dir, exist_ok=True)
+    save_profile(fit.profile, os.path.join(out_dir, "calibration.json"))
+    with open(os.path.join(out_dir, "calibration_raw.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+    figs = plot_figure3(raw["measurements"], fit.profile, fit.rate_points, out_dir)
+    p = fit.profile
+    k = p.sm_count
+    print(f"R = {p.drain_rate_GBps:.1f} GB/s from {len(fit.rate_points)} zero-gap points")
+    for pt in p.t_iss0_points:
+        print(f"T_iss0(K={pt.producers}, B={pt.bytes_per_producer:.0f}) = {pt.t_iss0_us:.3f} us")
+    for cp in p.capacity_points:
+        knee = f", knee {cp.knee_bytes_per_producer:.0f} B/producer" if cp.knee_bytes_per_producer else " (lower bound)"
+        print(f"Q(K={cp.producers}) = {cp.capacity_bytes / (1 << 20):.2f} MiB{knee}")
+    for name, e in fit.errors.items():
+        if e:
+            print(f"no-refit prediction error {name}: median {100 * e['median']:.1f}%, "
+                  f"max {100 * e['max']:.1f}% over {e['n']} runs")
+    anchors = raw.get("anchors") or {}
+    best = max((v for key, v in anchors.items() if key.endswith("unidirectional_GBps")), default=None)
+    if best:
+        print(f"R / best unidirectional peer-write anchor = {p.drain_rate_GBps / best:.2f} ({best:.0f} GB/s)")
+    if raw.get("failures"):
+        print(f"{len(raw['failures'])} runs failed verification and were excluded:", file=sys.stderr)
+        for f in raw["failures"][:10]:
+            print("  " + f, file=sys.stderr)
+    print("wrote", out_dir, "(calibration.json, calibration_raw.json,", ", ".join(os.path.basename(x) for x in figs) + ")")
+    _ = k
+    return 1 if raw.get("failures") else 0
+
+
+def run(args) -> int:
+    command = "xstage " + " ".join(sys.argv[1:]) if sys.argv else "xstage calibrate"
+    if args.refit:
+        try:
+            with open(args.refit) as f:
+                raw = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"xstage: error: cannot read {args.refit}: {e}", file=sys.stderr)
+            return 2
+        return finish(raw, args.out or os.path.dirname(os.path.abspath(args.refit)), command)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("xstage: error: calibrate needs a CUDA GPU (and two with peer access for the remote path); "
+              "use `xstage calibrate --refit RAW.json` or `xstage design-test` on this machine", file=sys.stderr)
+        return 2
+    os.environ.update(SAFE_ENV)
+    world = torch.cuda.device_count()
+    cfg = {"threads": args.threads, "buffer_mib": args.buffer_mib, "timeout_s": args.timeout_s,
+           "quick": args.quick, "pairs": args.pairs, "no_anchors": args.no_anchors}
+    out_dir = args.out or os.path.join("benchmarks", "results", args.machine or _machine_name())
+    peers = world >= 2 and all(torch.cuda.can_device_access_peer(i, j)
+                               for i in range(world) for j in range(world) if i != j)
+    if not peers:
+        print("remote calibration needs two GPUs with peer access; "
+              f"found {world} GPU(s){' without peer access' if world >= 2 else ''}: running the local control only")
+        raw = _local_only(cfg)
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "local_control_raw.json")
+        with open(path, "w") as f:
+            json.dump(raw, f, indent=1)
+        print("wrote", path)
+        return 0
+    import torch.multiprocessing as mp
+
+    from cute_kernels.runtime import provenance
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "raw.json")
+        t0 = time.time()
+        mp.spawn(_worker, args=(world, cfg, os.path.join(tmp, "pg"), result_path), nprocs=world, join=True)
+        with open(result_path) as f:
+            raw = json.load(f)
+    raw["world_size"] = world
+    raw["wall_seconds"] = time.time() - t0
+    raw["provenance"] = provenance(command)
+    raw["provenance"].update(source="measured", world_size=world)
+    return finish(raw, out_dir, command)

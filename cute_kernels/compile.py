@@ -1,0 +1,124 @@
+"""Compile CuTe DSL kernels for an explicit GPU architecture and keep their PTX and cubin.
+
+With no GPU present the DSL silently targets sm_100a, and ``sm_90`` without the ``a`` rejects WGMMA,
+so every compile here names its architecture. The dump directory is created first: the DSL ignores one
+that does not exist yet.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+DEFAULT_ARCH = "sm_90a"
+
+
+@dataclass
+class CompiledKernel:
+    """A compiled ``@cute.jit`` host function with the artifacts CI inspects."""
+
+    fn: Any
+    arch: str
+    ptx: str
+    cubin: bytes
+    dump_dir: str
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def ptx_count(self, pattern: str) -> int:
+        return len(re.findall(pattern, self.ptx))
+
+
+def set_target_arch(arch: str = DEFAULT_ARCH) -> None:
+    """Point the DSL at ``arch`` for tracing too (atoms such as WGMMA check it at trace time)."""
+    if not re.fullmatch(r"sm_\d+[af]?", arch):
+        raise ValueError(f"arch must look like 'sm_90a', got {arch!r}")
+    os.environ["CUTE_DSL_ARCH"] = arch
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    CuTeDSL._get_dsl().envar.arch = arch
+
+
+def compile_kernel(
+    jit_fn: Callable,
+    *args: Any,
+    arch: str = DEFAULT_ARCH,
+    dump_dir: str | None = None,
+    tvm_ffi: bool = True,
+    options: str = "",
+) -> CompiledKernel:
+    """``cute.compile`` for ``arch`` with PTX and cubin kept in ``dump_dir`` (a fresh temp dir by default).
+
+    ``tvm_ffi`` compiles the host entry for TVM-FFI so the result takes torch tensors directly and
+    launches on torch's current stream (CUDA-Graph capturable).
+    """
+    import cutlass.cute as cute
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    set_target_arch(arch)
+    dump_dir = dump_dir or tempfile.mkdtemp(prefix="xstage-dump-")
+    os.makedirs(dump_dir, exist_ok=True)
+    CuTeDSL._get_dsl().envar.dump_dir = dump_dir
+    opts = f"--gpu-arch {arch} --keep-ptx --keep-cubin"
+    if tvm_ffi:
+        opts += " --enable-tvm-ffi"
+    if options:
+        opts += " " + options
+    fn = cute.compile(jit_fn, *args, options=opts)
+    ptx = fn.__ptx__ or ""
+    cubin = fn.__cubin__ or b""
+    if isinstance(cubin, str):
+        cubin = cubin.encode()
+    return CompiledKernel(fn=fn, arch=arch, ptx=ptx, cubin=cubin, dump_dir=dump_dir)
+
+
+@dataclass
+class ResourceUsage:
+    """What ``ptxas -v`` reports per kernel entry."""
+
+    registers: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+    raw: str = field(repr=False, default="")
+
+
+def ptxas_resource_usage(ptx: str, arch: str = DEFAULT_ARCH) -> dict[str, ResourceUsage] | None:
+    """Assemble ``ptx`` with ptxas -v and parse registers/stack/spills per entry; None without ptxas."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run(
+            [ptxas, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True, text=True, check=False,
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas failed on the generated PTX:\n{proc.stderr[-2000:]}")
+    usage: dict[str, ResourceUsage] = {}
+    current = None
+    for line in proc.stderr.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            current = m.group(1)
+            usage[current] = ResourceUsage(0, 0, 0, 0, "")
+            continue
+        if current is None:
+            continue
+        u = usage[current]
+        u.raw += line + "\n"
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            u.stack_bytes, u.spill_stores, u.spill_loads = map(int, m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            u.registers = int(m.group(1))
+    return usage

@@ -1,0 +1,1 @@
+"""Placeholder package: see the project issues; nothing here is implemented yet."""

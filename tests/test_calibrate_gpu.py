@@ -1,0 +1,72 @@
+"""The burst microbenchmark on two GPUs: every byte delivered to the peer, records monotone and complete,
+for periodic and isolated bursts, remote and local, both directions (needs 2 sm_90a GPUs with peer access)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from calibrate.sweep import Point
+
+POINTS = [
+    Point("rate", "remote", 132, 32768, bursts=8),
+    Point("gap", "remote", 66, 16384, "fma", 512, bursts=6),
+    Point("gap", "remote", 33, 8192, "spin", 2000, bursts=4),
+    Point("gap", "local", 132, 32768, "fma", 64, bursts=4),
+    Point("isolated", "remote", 132, 65536, bursts=3),
+    Point("isolated", "local", 16, 2048, bursts=2),
+]
+
+
+def _worker(rank, world, init_file, out):
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        from calibrate.bench import BurstBench
+
+        bench = BurstBench(buffer_bytes=64 << 20, timeout_s=2.0)
+        results = []
+        for s, d in ((0, 1), (1, 0)):
+            for p in POINTS:
+                p = Point(p.mode, p.target, min(p.producers, bench.sm_count), p.bytes_per_producer, p.gap_kind,
+                          p.gap, p.bursts)
+                m = bench.run_point(p, s, d)  # raises if any byte is wrong or a record is missing
+                if m is not None:
+                    results.append(m)
+        # A bad configuration is rejected before launch, on every rank alike.
+        try:
+            bench.run_point(Point("rate", "remote", 10_000, 32768), 0, 1)
+            rejected = False
+        except ValueError:
+            rejected = True
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump({"results": results, "rejected": rejected}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multigpu
+def test_bursts_delivered_and_recorded(tmp_path):
+    import torch
+    import torch.multiprocessing as mp
+
+    if not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("GPUs 0 and 1 have no peer access")
+    out = str(tmp_path / "res")
+    mp.spawn(_worker, args=(2, str(tmp_path / "pg"), out), nprocs=2, join=True)
+    res = [json.load(open(f"{out}.{r}")) for r in range(2)]
+    assert all(r["rejected"] for r in res)
+    ms = res[0]["results"] + res[1]["results"]
+    assert len(ms) == 2 * len(POINTS)
+    for m in ms:
+        mt = m["metrics"]
+        assert mt["t_iss_us"] > 0 and mt["clock_ghz"] > 0.5
+        if m["mode"] != "isolated":
+            assert mt["t_period_us"] >= mt["t_iss_us"]
+        else:
+            assert mt["completion_us"] >= mt["t_iss_us"]

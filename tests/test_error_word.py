@@ -1,0 +1,34 @@
+"""A bounded wait that times out sets the error word, and the host turns it into an exception."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cute_kernels.runtime import XStageKernelError, check_error_word, new_error_word
+
+
+def test_error_word_raises_with_its_meaning():
+    errors = new_error_word("cpu")
+    check_error_word(errors, "clean")  # no error: no exception
+    errors[0], errors[1], errors[2] = 2, 7, 3
+    with pytest.raises(XStageKernelError, match="flag wait timed out.*block 7.*value seen 3"):
+        check_error_word(errors, "receiver")
+
+
+@pytest.mark.gpu
+def test_flag_wait_times_out_instead_of_hanging():
+    from calibrate.bench import _compile
+    from calibrate.burst_kernel import FlagWaitKernel
+
+    flag = torch.zeros(64, dtype=torch.int32, device="cuda")
+    errors = new_error_word("cuda")
+    k = _compile(FlagWaitKernel())
+    k(flag, errors, 1, 50_000_000)  # nobody signals: must give up after 50 ms
+    torch.cuda.synchronize()
+    with pytest.raises(XStageKernelError, match="flag wait timed out"):
+        check_error_word(errors, "flag wait")
+    flag[0] = 5
+    errors.zero_()
+    k(flag, errors, 5, 50_000_000)
+    torch.cuda.synchronize()
+    check_error_word(errors, "flag already set")
