@@ -55,6 +55,7 @@ class RunMetrics:
     agg_issue_us: float      # median over bursts of max(end) - min(start) across producers (globaltimer)
     start_skew_us: float     # median over bursts of max(start) - min(start)
     completion_us: float     # isolated mode: median burst start to fence return (drained); else nan
+    t_period_agg_us: float   # V x bursts / (last byte performed - first burst start): the delivered period
 
     @property
     def volume(self) -> int:
@@ -66,8 +67,19 @@ class RunMetrics:
         return d
 
 
+def delivered_period_us(rec: np.ndarray, delivered: np.ndarray) -> float:
+    """Aggregate period from delivery: all K x N bursts over the span from the first burst start to the
+    last producer's final fence (globaltimer). Unlike per-producer periods it stays V/R when the drain
+    serves producers unfairly and they drift apart."""
+    if delivered is None or delivered.shape[0] != rec.shape[0] or (delivered[:, 0] == 0).any():
+        return float("nan")
+    span_ns = delivered[:, 0].max() - rec[:, 0, GT0].min()
+    return float(span_ns * 1e-3 / rec.shape[1])
+
+
 def run_metrics(rec: np.ndarray, bytes_per_producer: int, isolated: bool = False,
-                steady_from: int | None = None) -> RunMetrics:
+                steady_from: int | None = None, delivered: np.ndarray | None = None) -> RunMetrics:
+    """``delivered``: optional (K, 2) globaltimer/clock64 of each producer's final fence."""
     check_records(rec)
     k, n, _ = rec.shape
     ghz = clock_ghz(rec)
@@ -95,5 +107,5 @@ def run_metrics(rec: np.ndarray, bytes_per_producer: int, isolated: bool = False
         clock_ghz=ghz, t_iss_us=float(np.median(t_iss_burst)),
         t_iss_p90_us=float(np.percentile(t_iss_burst, 90)), t_period_us=t_period, gap_us=gap_med,
         agg_issue_us=float(np.median(agg[steady_from:])), start_skew_us=float(np.median(skew[steady_from:])),
-        completion_us=completion,
+        completion_us=completion, t_period_agg_us=delivered_period_us(rec, delivered),
     )

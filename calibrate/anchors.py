@@ -8,8 +8,10 @@ import torch.distributed as dist
 
 from cute_kernels.tile_store import tile_copy
 
-# Per-link, per-direction GB/s by NVLink generation (NVLink4 on H100/H200: 18 links x 25 GB/s = 450).
-NVLINK_GBPS_PER_LINK_DIR = {2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
+# NVML's nvmlNvlinkVersion enum -> (generation, GB/s per link per direction).
+# NVLink4 on H100/H200: 18 links x 25 GB/s = 450 GB/s each way.
+NVML_NVLINK_VERSIONS = {1: ("1.0", 20.0), 2: ("2.0", 25.0), 3: ("2.2", 25.0), 4: ("3.0", 25.0),
+                        5: ("3.1", 25.0), 6: ("4.0", 25.0), 7: ("5.0", 50.0)}
 
 
 def time_us(fn, warmup: int = 3, iters: int = 20) -> float:
@@ -43,8 +45,9 @@ def nvlink_nominal(device_index: int = 0) -> dict:
                     version = version or pynvml.nvmlDeviceGetNvLinkVersion(h, link)
             except pynvml.NVMLError:
                 break
-        per_link = NVLINK_GBPS_PER_LINK_DIR.get(version)
-        return {"active_links": active, "nvlink_version": version, "per_link_GBps_per_direction": per_link,
+        generation, per_link = NVML_NVLINK_VERSIONS.get(version, (None, None))
+        return {"active_links": active, "nvml_nvlink_version": version, "nvlink_generation": generation,
+                "per_link_GBps_per_direction": per_link,
                 "nominal_GBps_per_direction": active * per_link if per_link else None}
     except Exception as e:  # noqa: BLE001 - NVML is optional: report why it is missing
         return {"error": f"NVML unavailable: {e}"}

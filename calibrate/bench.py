@@ -42,7 +42,7 @@ def expected_mismatches(words: torch.Tensor, tag: int, p: Point) -> int:
 
 
 class BurstBench:
-    def __init__(self, group=None, threads: int = 128, buffer_bytes: int = 384 << 20, timeout_s: float = 2.0,
+    def __init__(self, group=None, threads: int = 128, buffer_bytes: int = 512 << 20, timeout_s: float = 2.0,
                  max_bursts: int = 64):
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -62,7 +62,7 @@ class BurstBench:
         self.flag.zero_()
         self.local = torch.empty(words, dtype=torch.int32, device=self.device)
         self.local_flag = torch.zeros(FLAG_WORDS, dtype=torch.int32, device=self.device)
-        self.records = torch.zeros(self.sm_count * max_bursts, len(RECORD_FIELDS), dtype=torch.int64,
+        self.records = torch.zeros(self.sm_count * (max_bursts + 1), len(RECORD_FIELDS), dtype=torch.int64,
                                    device=self.device)
         self.sync = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=self.device)
         self.errors = new_error_word(self.device)
@@ -106,7 +106,7 @@ class BurstBench:
                 dst, done = self.local.view(-1, 4), self.local_flag
             self.sync.zero_()
             self.errors.zero_()
-            rec = self.records[: p.producers * p.bursts]
+            rec = self.records[: p.producers * (p.bursts + 1)]
             rec.zero_()
             vec_per_thread = p.bytes_per_producer // (16 * self.threads)
             self.kernel(p.mode == "isolated", p.gap_kind)(
@@ -115,8 +115,11 @@ class BurstBench:
             torch.cuda.synchronize()
             try:
                 check_error_word(self.errors, f"burst kernel {p}")
-                records = rec.view(p.producers, p.bursts, len(RECORD_FIELDS)).cpu().numpy()
-                metrics = run_metrics(records, p.bytes_per_producer, isolated=p.mode == "isolated")
+                host = rec.cpu().numpy()
+                n = p.producers * p.bursts
+                records = host[:n].reshape(p.producers, p.bursts, len(RECORD_FIELDS))
+                metrics = run_metrics(records, p.bytes_per_producer, isolated=p.mode == "isolated",
+                                      delivered=host[n:, :2])
                 result = {**p.to_dict(), "sender": sender, "receiver": receiver if remote else sender,
                           "tag": tag, "metrics": metrics.to_dict()}
             except (XStageKernelError, RecordError) as e:

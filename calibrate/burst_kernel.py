@@ -14,7 +14,9 @@ which returns only once the thread's stores are performed: X-Stage is checked em
 and the fence's return time is the burst's completion time.
 
 Each burst writes values encoding (run tag, burst, producer, vector index) into its own ring slot, so the
-receiver can verify every byte. One record row per (producer, burst), written by thread 0 after the gap:
+receiver can verify every byte. One record row per (producer, burst), written by thread 0 after the gap
+(fields ``RECORD_FIELDS``), then one delivery row per producer (globaltimer, clock64 after its final
+``fence.acq_rel.sys``: every byte it wrote is performed).
 """
 from __future__ import annotations
 
@@ -140,6 +142,10 @@ class BurstGapKernel:
         cute.arch.fence_acq_rel_sys()
         cute.arch.sync_threads()
         if tidx == 0:
+            # Delivery record after the burst rows: when this producer's last byte was performed.
+            gtf, ckf = timers.now()
+            records[Int32(producers) * n_bursts + Int32(bidx), 0] = gtf
+            records[Int32(producers) * n_bursts + Int32(bidx), 1] = ckf
             flags.signal_add(done, 0, 1, "sys")
 
 

@@ -4,7 +4,8 @@ Measurements are dicts ``{"mode": "rate"|"gap"|"isolated", "target": "remote"|"l
 "gap_kind": "fma"|"spin", "metrics": RunMetrics.to_dict()}`` (see ``calibrate.bench``).
 
 - R: one least-squares line through the origin, T_period = V/R, over all zero-gap (``rate``) remote runs
-  with V >= ``min_rate_volume`` (the drain-dominated points; no per-curve fitting).
+  with V >= ``min_rate_volume`` (the drain-dominated points; no per-curve fitting). T_period there is the
+  delivered aggregate period (``t_period_agg_us``) where recorded, else the per-producer period.
 - T_iss0(K, V): the recovered plateau of each remote FMA-gap curve (runs whose gap is at least
   ``plateau_factor`` x V/R), plus isolated remote bursts that the local control shows free of backpressure.
 - Q(K): isolated remote bursts above the knee (issue time beyond the local control's) satisfy eq. 7,
@@ -43,6 +44,11 @@ def _select(measurements, mode, target="remote", gap_kind=None):
             and (gap_kind is None or m.get("gap_kind") == gap_kind)]
 
 
+def _steady_period(metrics: dict) -> float:
+    agg = metrics.get("t_period_agg_us")
+    return agg if agg is not None and np.isfinite(agg) else metrics["t_period_us"]
+
+
 def fit_drain_rate(measurements, min_rate_volume: float = 1 << 20) -> tuple[float, list[dict]]:
     """R in bytes/µs from zero-gap steady-state periods, T = V / R (one fit across all K and B)."""
     pts = [m for m in _select(measurements, "rate") if _m(m)["volume_bytes"] >= min_rate_volume]
@@ -50,11 +56,11 @@ def fit_drain_rate(measurements, min_rate_volume: float = 1 << 20) -> tuple[floa
         raise ValueError(f"need >= 2 zero-gap remote runs with V >= {min_rate_volume} bytes to fit R, "
                          f"got {len(pts)}")
     v = np.array([_m(m)["volume_bytes"] for m in pts], dtype=float)
-    t = np.array([_m(m)["t_period_us"] for m in pts], dtype=float)
+    t = np.array([_steady_period(_m(m)) for m in pts], dtype=float)
     slope = float(v @ t / (v @ v))  # µs per byte
     rate = 1.0 / slope
     used = [{"producers": _m(m)["producers"], "bytes_per_producer": _m(m)["bytes_per_producer"],
-             "volume_bytes": _m(m)["volume_bytes"], "t_period_us": _m(m)["t_period_us"],
+             "volume_bytes": _m(m)["volume_bytes"], "t_period_us": _steady_period(_m(m)),
              "fit_t_period_us": _m(m)["volume_bytes"] / rate} for m in pts]
     return rate, used
 

@@ -89,7 +89,10 @@ class ResourceUsage:
 
 
 def ptxas_resource_usage(ptx: str, arch: str = DEFAULT_ARCH) -> dict[str, ResourceUsage] | None:
-    """Assemble ``ptx`` with ptxas -v and parse registers/stack/spills per entry; None without ptxas."""
+    """Assemble ``ptx`` with ptxas -v and parse registers/stack/spills per entry.
+
+    None when no ptxas is on PATH or it is too old for the PTX ISA the DSL emitted.
+    """
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         return None
@@ -101,6 +104,8 @@ def ptxas_resource_usage(ptx: str, arch: str = DEFAULT_ARCH) -> dict[str, Resour
             [ptxas, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
             capture_output=True, text=True, check=False,
         )
+    if proc.returncode != 0 and "Unsupported .version" in proc.stderr:
+        return None  # this ptxas is older than the DSL's PTX ISA (e.g. CUDA 13.0 vs the DSL's 13.4 NVVM)
     if proc.returncode != 0:
         raise RuntimeError(f"ptxas failed on the generated PTX:\n{proc.stderr[-2000:]}")
     usage: dict[str, ResourceUsage] = {}

@@ -54,7 +54,7 @@ class TileStoreKernel:
     def kernel(self, src: cute.Tensor, dst: cute.Tensor, spans: cute.Tensor, tiled_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         bm, bn, _ = cute.arch.block_idx()
-        grid_n, _, _ = cute.arch.grid_dim()
+        _, grid_n, _ = cute.arch.grid_dim()
         g_src = cute.local_tile(src, (self.tile_m, self.tile_n), (bm, bn))
         g_dst = cute.local_tile(dst, (self.tile_m, self.tile_n), (bm, bn))
         thr = tiled_copy.get_slice(tidx)

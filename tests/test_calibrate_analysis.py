@@ -108,9 +108,9 @@ def test_fit_recovers_model_and_predicts_without_refit():
 def test_bad_configurations_are_rejected(kwargs, match):
     p = Point(**{**dict(mode="gap", target="remote", producers=132, bytes_per_producer=32768), **kwargs})
     with pytest.raises(ValueError, match=match):
-        validate_point(p, sm_count=132, buffer_bytes=384 << 20, threads=128)
+        validate_point(p, sm_count=132, buffer_bytes=512 << 20, threads=128)
 
 
 def test_default_sweep_is_valid():
     for p in default_sweep(132):
-        validate_point(p, 132, 384 << 20, 128)
+        validate_point(p, 132, 512 << 20, 128)
