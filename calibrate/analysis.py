@@ -86,15 +86,17 @@ def run_metrics(rec: np.ndarray, bytes_per_producer: int, isolated: bool = False
     cyc_to_us = 1.0 / (ghz * 1e3)
     if steady_from is None:
         steady_from = 0 if isolated else min(max(2, n // 4), n - 2)
-    issue = (rec[:, :, CK1] - rec[:, :, CK0]) * cyc_to_us                  # (K, N)
-    t_iss_burst = issue.mean(axis=0)[steady_from:]
+    issue = ((rec[:, :, CK1] - rec[:, :, CK0]) * cyc_to_us).mean(axis=0)   # per burst, mean over producers
     if n >= 2:
-        period = (np.diff(rec[:, :, CK0], axis=1) * cyc_to_us)             # (K, N-1)
-        gap = (rec[:, 1:, CK0] - rec[:, :-1, CK1]) * cyc_to_us
-        lo = max(steady_from - 1, 0) if steady_from else 0
-        t_period = float(np.median(period.mean(axis=0)[lo:]))
-        gap_med = float(np.median(gap.mean(axis=0)[lo:]))
+        # Issue, gap and period over the same bursts b (those with a successor), so T_period >= T_iss holds
+        # burst by burst and hence for the medians.
+        bursts = slice(steady_from if steady_from < n - 1 else 0, n - 1)
+        period = (np.diff(rec[:, :, CK0], axis=1) * cyc_to_us).mean(axis=0)[bursts]
+        gap = ((rec[:, 1:, CK0] - rec[:, :-1, CK1]) * cyc_to_us).mean(axis=0)[bursts]
+        t_iss_burst = issue[bursts]
+        t_period, gap_med = float(np.median(period)), float(np.median(gap))
     else:
+        t_iss_burst = issue
         t_period = float("nan")
         gap_med = float(np.median((rec[:, :, CK3] - rec[:, :, CK1]) * cyc_to_us))
     agg = (rec[:, :, GT1].max(axis=0) - rec[:, :, GT0].min(axis=0)) * 1e-3

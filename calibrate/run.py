@@ -22,6 +22,7 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="coarser grids (about a quarter of the points)")
     p.add_argument("--pairs", choices=("all", "first"), default="all",
                    help="measure every ordered GPU pair or only 0->1 (default all)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of the whole sweep (default 3)")
     p.add_argument("--threads", type=int, default=128, help="threads per producer CTA (default 128)")
     p.add_argument("--buffer-mib", type=int, default=512, help="symmetric destination buffer per GPU (MiB)")
     p.add_argument("--timeout-s", type=float, default=2.0, help="bound on every in-kernel wait")
@@ -68,7 +69,7 @@ def _worker(rank: int, world: int, cfg: dict, init_file: str, result_path: str) 
         pairs = [(s, d) for s in range(world) for d in range(world) if s != d]
         if cfg["pairs"] == "first":
             pairs = pairs[:1]
-        bar = _progress(len(pairs) * len(pts), rank == 0)
+        bar = _progress(cfg["repeats"] * len(pairs) * len(pts), rank == 0)
         t_start = time.time()
         measurements, failures = [], []
         # Warm-up: compile every variant and run it once, outside the measurement.
@@ -78,17 +79,18 @@ def _worker(rank: int, world: int, cfg: dict, init_file: str, result_path: str) 
             warmups.setdefault((p.mode == "isolated", p.gap_kind, p.target), p)
         for p in warmups.values():
             bench.run_point(p, pairs[0][0], pairs[0][1])
-        for s, d in pairs:
-            bench.run_point(pts[0], s, d)  # first touch of this pair's mapping stays out of the data
-            for p in pts:
-                try:
-                    m = bench.run_point(p, s, d)
-                    if m is not None:
-                        measurements.append(m)
-                except RuntimeError as e:
-                    failures.append(str(e))
-                if bar is not None:
-                    bar.update(1)
+        for repeat in range(cfg["repeats"]):
+            for s, d in pairs:
+                bench.run_point(pts[0], s, d)  # first touch of this pair's mapping stays out of the data
+                for p in pts:
+                    try:
+                        m = bench.run_point(p, s, d)
+                        if m is not None:
+                            measurements.append({**m, "repeat": repeat})
+                    except RuntimeError as e:
+                        failures.append(str(e))
+                    if bar is not None:
+                        bar.update(1)
         if bar is not None:
             bar.close()
         anchors = {} if cfg["no_anchors"] else measure_anchors(bench, *pairs[0])
@@ -191,7 +193,10 @@ def run(args) -> int:
         return 2
     os.environ.update(SAFE_ENV)
     world = torch.cuda.device_count()
-    cfg = {"threads": args.threads, "buffer_mib": args.buffer_mib, "timeout_s": args.timeout_s,
+    if args.repeats < 1:
+        print("xstage: error: --repeats must be >= 1", file=sys.stderr)
+        return 2
+    cfg = {"repeats": args.repeats, "threads": args.threads, "buffer_mib": args.buffer_mib, "timeout_s": args.timeout_s,
            "quick": args.quick, "pairs": args.pairs, "no_anchors": args.no_anchors}
     out_dir = args.out or os.path.join("benchmarks", "results", args.machine or _machine_name())
     peers = world >= 2 and all(torch.cuda.can_device_access_peer(i, j)

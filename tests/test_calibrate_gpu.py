@@ -66,7 +66,11 @@ def test_bursts_delivered_and_recorded(tmp_path):
     for m in ms:
         mt = m["metrics"]
         assert mt["t_iss_us"] > 0 and mt["clock_ghz"] > 0.5
+        # Delivered throughput cannot beat the links (18 NVLink4 links: 450 GB/s each way; local HBM ~4.8 TB/s).
+        ceiling = 450e3 if m["target"] == "remote" else 4.8e6  # bytes/µs
+        assert mt["volume_bytes"] / mt["t_period_agg_us"] <= 1.05 * ceiling
         if m["mode"] != "isolated":
             assert mt["t_period_us"] >= mt["t_iss_us"]
+            assert mt["gap_us"] > (0.5 if m["gap"] else 0.0)
         else:
             assert mt["completion_us"] >= mt["t_iss_us"]
