@@ -6,7 +6,7 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/xstage-out}
 mkdir -p "$OUT"
-stages=${*:-"info tests calibrate"}
+stages=${*:-"info tests calibrate a2a pack"}
 for stage in $stages; do
   echo "=== $stage $(date -u +%T)"
   case $stage in
@@ -17,7 +17,10 @@ for stage in $stages; do
     tests)
       timeout 420 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" ;;
     calibrate)
-      timeout 420 python3 -m calibrate.cli calibrate --machine h200x2 --out "$OUT/h200x2" 2>&1 | tee "$OUT/calibrate.log"
+      timeout 420 python3 -m calibrate.cli calibrate --machine h200x2 --out "$OUT/h200x2" 2>&1 | tee "$OUT/calibrate.log" ;;
+    a2a)
+      timeout 300 python3 -m benchmarks.a2a_only --out "$OUT/h200x2/a2a_only.json" 2>&1 | tee "$OUT/a2a.log" ;;
+    pack)
       tar czf "$OUT/h200x2.tgz" -C "$OUT" h200x2 && rm -rf "$OUT/h200x2" ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -1,0 +1,105 @@
+"""Host side of the device-initiated Ulysses post-attention All-to-All (symmetric memory, any world size).
+
+``SymmetricUlyssesA2A(group)(o)`` takes this rank's attention output (b, S, H/P, d) and returns its
+(b, S/P, H, d) slice of the All-to-All, complete and safe to read on the current stream. The returned
+tensor lives in a symmetric buffer reused by the next call of the same shape: consume or clone it before
+then. Buffers are allocated once per shape (collectively: every rank must call with the same shapes in the
+same order); both kernels launch on torch's current stream and are CUDA-Graph capturable.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+
+from cute_kernels.runtime import check_error_word, new_error_word
+from flash_a2a.mapping import check_ulysses_shapes
+from flash_a2a.scatter import UlyssesScatterKernel, EpochWaitKernel
+
+_KERNELS: dict = {}
+
+
+def _compiled(kind, *key):
+    if (kind, key) not in _KERNELS:
+        from cutlass.runtime import make_fake_stream
+
+        from cute_kernels.compile import compile_kernel
+
+        k = UlyssesScatterKernel(*key) if kind == "scatter" else EpochWaitKernel()
+        _KERNELS[(kind, key)] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
+    return _KERNELS[(kind, key)]
+
+
+class _State:
+    def __init__(self, group, shape, dtype, device):
+        b, s_loc, h, d = shape
+        world = dist.get_world_size(group)
+        self.out = symm_mem.empty(shape, dtype=dtype, device=device)
+        hdl = symm_mem.rendezvous(self.out, group)
+        self.flags = symm_mem.empty(2 * world, dtype=torch.int32, device=device)
+        fhdl = symm_mem.rendezvous(self.flags, group)
+        self.flags.zero_()
+        self.out_ptrs = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=device)
+        self.flag_ptrs = torch.tensor(list(fhdl.buffer_ptrs), dtype=torch.int64, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
+        self.errors = new_error_word(device)
+        self.handles = (hdl, fhdl)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)  # every rank's flags are zero before anyone signals
+
+
+class SymmetricUlyssesA2A:
+    def __init__(self, group=None, tile_m: int = 128, timeout_s: float = 2.0, ctas_per_sm: int = 2):
+        self.group = group or dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.tile_m, self.timeout_ns, self.ctas_per_sm = tile_m, int(timeout_s * 1e9), ctas_per_sm
+        self.states: dict = {}
+
+    def validate(self, o: torch.Tensor) -> None:
+        if not isinstance(o, torch.Tensor) or o.dim() != 4:
+            raise ValueError("o must be a 4-D tensor (b, S, H/P, d)")
+        if o.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"o must be bfloat16 or float16, got {o.dtype}")
+        if not o.is_cuda or o.device.index != torch.cuda.current_device():
+            raise ValueError(f"o must live on the current CUDA device (cuda:{torch.cuda.current_device()})")
+        if not o.is_contiguous():
+            raise ValueError("o must be contiguous (b, S, H/P, d); call .contiguous()")
+        b, s, h_loc, d = o.shape
+        if (d * o.element_size()) % 16:
+            raise ValueError(f"head dim {d} must make rows of 16-byte multiples")
+        check_ulysses_shapes(s, h_loc * self.world, self.world, self.tile_m)
+
+    def __call__(self, o: torch.Tensor) -> torch.Tensor:
+        self.validate(o)
+        b, s, h_loc, d = o.shape
+        key = (b, s, h_loc, d, o.dtype)
+        if key not in self.states:
+            self.states[key] = _State(self.group, (b, s // self.world, h_loc * self.world, d), o.dtype, o.device)
+        st = self.states[key]
+        vec_per_row = d * o.element_size() // 16
+        n_tiles = (s // self.tile_m) * h_loc * b
+        sms = torch.cuda.get_device_properties(o.device).multi_processor_count
+        grid = min(n_tiles, self.ctas_per_sm * sms)
+        _compiled("scatter", vec_per_row, self.tile_m)(
+            o.view(torch.int32).view(-1, 4), st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
+            b, s, h_loc, self.rank, self.world, grid, self.timeout_ns)
+        _compiled("wait")(st.flags, st.epoch, st.counter, st.errors, self.world, self.timeout_ns)
+        return st.out
+
+    def check(self) -> None:
+        """Raise if any launch so far hit a bounded-wait timeout (synchronizes)."""
+        for st in self.states.values():
+            check_error_word(st.errors, f"Ulysses All-to-All on rank {self.rank}")
+
+
+def nccl_post_a2a(o: torch.Tensor, group=None) -> torch.Tensor:
+    """The yunchang-style post-attention All-to-All through NCCL (permute copies around all_to_all_single):
+    (b, S, H/P, d) -> (b, S/P, H, d). The baseline our kernels are measured against."""
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    b, s, h_loc, d = o.shape
+    x = o.reshape(b, world, s // world, h_loc, d).permute(1, 0, 2, 3, 4).contiguous()
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x, group=group)
+    return y.permute(1, 2, 0, 3, 4).reshape(b, s // world, world * h_loc, d).contiguous()
