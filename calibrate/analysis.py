@@ -87,7 +87,7 @@ def run_metrics(rec: np.ndarray, bytes_per_producer: int, isolated: bool = False
     if steady_from is None:
         steady_from = 0 if isolated else min(max(2, n // 4), n - 2)
     issue = ((rec[:, :, CK1] - rec[:, :, CK0]) * cyc_to_us).mean(axis=0)   # per burst, mean over producers
-    if n >= 2:
+    if n >= 2 and not isolated:
         # Issue, gap and period over the same bursts b (those with a successor), so T_period >= T_iss holds
         # burst by burst and hence for the medians.
         bursts = slice(steady_from if steady_from < n - 1 else 0, n - 1)

@@ -53,14 +53,26 @@ class KernelBurst:
         return float(self.producers * self.bytes_per_producer)
 
 
+# Fallback for a profile without a measured sigma: the Q-loop time per KV tile implied by an attention
+# throughput. 650 TFLOP/s is FA4's SM90 forward on our H200s (bf16, d = 128: 620-693 TFLOP/s, measured in
+# shared/notes/hopper-fa-a2a.md); the FlashAttention benchmark replaces it with our own kernel's measurement.
+FA_REFERENCE_TFLOPS = 650.0
+
+
+def sigma_from_throughput(tflops: float, sm_count: int, b_m: int = FA_TILE_M, b_n: int = FA_TILE_N,
+                          d: int = FA_HEAD_DIM) -> float:
+    """µs per KV tile when sm_count persistent CTAs share ``tflops``: QK^T and PV are 4·b_m·b_n·d FLOP."""
+    return 4.0 * b_m * b_n * d / (tflops * 1e12 / sm_count) * 1e6
+
+
 def fa_sigma_us(profile: PlatformProfile, sigma_us: float | None = None) -> float:
-    """Q-loop time per KV tile: the override, else the profile's flash_a2a application entry."""
+    """Q-loop time per KV tile: the override, else the profile's flash_a2a entry, else the throughput fallback."""
     if sigma_us is not None:
         return float(sigma_us)
     try:
         return float(profile.applications["flash_a2a"]["sigma_us_per_kv_tile"])
     except (KeyError, TypeError):
-        raise ValueError("profile has no applications.flash_a2a.sigma_us_per_kv_tile; pass --sigma-us") from None
+        return sigma_from_throughput(FA_REFERENCE_TFLOPS, profile.sm_count)
 
 
 def flash_a2a_burst(profile: PlatformProfile, seq_len: int, sigma_us: float) -> KernelBurst:

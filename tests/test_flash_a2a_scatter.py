@@ -66,7 +66,7 @@ def _worker(rank, world, init_file, out):
         dist.barrier()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            out = a2a(static)
+            graph_out = a2a(static)
         for _ in range(4):
             fresh = torch.randn_like(static, dtype=torch.float32).to(torch.bfloat16)
             gathered = [torch.empty_like(fresh) for _ in range(world)]
@@ -76,7 +76,7 @@ def _worker(rank, world, init_file, out):
             torch.cuda.synchronize()
             a2a.check()
             ref = reference_post_a2a([x.cpu() for x in gathered])[rank]
-            assert torch.equal(out.cpu(), ref), "stale or wrong data after graph replay"
+            assert torch.equal(graph_out.cpu(), ref), "stale or wrong data after graph replay"
             checked += 1
             dist.barrier()
         errs = []
