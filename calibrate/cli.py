@@ -1,4 +1,4 @@
-"""The ``xstage`` command line: design test, calibration, and (later) application benchmarks."""
+"""The ``xstage`` command line: design test, calibration and application benchmarks."""
 
 from __future__ import annotations
 
@@ -146,19 +146,30 @@ def _run_calibrate(args) -> int:
     return run(parser.parse_args(args.forwarded))
 
 
+def _run_bench_flash_a2a(args) -> int:
+    try:
+        from flash_a2a.bench import add_arguments, run
+    except ImportError as exc:
+        raise UsageError(f"bench flash-a2a is unavailable: {exc}") from None
+    parser = _Parser(prog=f"{PROG} bench flash-a2a", description="FlashAttention + Ulysses A2A benchmark (GPUs)")
+    add_arguments(parser)
+    return run(parser.parse_args(args.forwarded))
+
+
 def _not_implemented(args) -> int:
     raise UsageError(f"bench {args.bench} is not implemented yet: tracked in the project issues")
 
 
 def _add_calibrate_and_bench(subparsers) -> None:
-    # add_help=False: --help and every option go to calibrate.run's own parser.
+    # add_help=False: --help and every option go to the command's own parser.
     p = subparsers.add_parser("calibrate", add_help=False, help="run the remote-store microbenchmarks (GPU)")
     p.set_defaults(func=_run_calibrate, forwards=True)
 
     bench = subparsers.add_parser("bench", help="application benchmarks")
     kinds = bench.add_subparsers(dest="bench", metavar="{flash-a2a,megamoe}", required=True)
-    for kind in ("flash-a2a", "megamoe"):
-        kinds.add_parser(kind, help=f"{kind} benchmark (not implemented yet)").set_defaults(func=_not_implemented)
+    kinds.add_parser("flash-a2a", add_help=False, help="FlashAttention + Ulysses All-to-All (GPUs)").set_defaults(
+        func=_run_bench_flash_a2a, forwards=True)
+    kinds.add_parser("megamoe", help="MegaMoE benchmark (not implemented yet)").set_defaults(func=_not_implemented)
 
 
 def build_parser() -> argparse.ArgumentParser:

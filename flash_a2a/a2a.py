@@ -20,17 +20,21 @@ _KERNELS: dict = {}
 
 
 def _compiled(kind, *key):
+    """Compiled kernels by kind: "scatter" (vec_per_row, tile_m), "wait", "advance", "settle" ()."""
     if (kind, key) not in _KERNELS:
         from cutlass.runtime import make_fake_stream
 
         from cute_kernels.compile import compile_kernel
 
-        k = UlyssesScatterKernel(*key) if kind == "scatter" else EpochWaitKernel()
+        k = {"scatter": lambda: UlyssesScatterKernel(*key), "wait": lambda: EpochWaitKernel(True, True),
+             "advance": lambda: EpochWaitKernel(False, True), "settle": lambda: EpochWaitKernel(True, False)}[kind]()
         _KERNELS[(kind, key)] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
     return _KERNELS[(kind, key)]
 
 
-class _State:
+class SymmetricOutput:
+    """A (b, S/P, H, d) symmetric output buffer with its flags, pointer tables and device epoch."""
+
     def __init__(self, group, shape, dtype, device):
         b, s_loc, h, d = shape
         world = dist.get_world_size(group)
@@ -45,8 +49,19 @@ class _State:
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.errors = new_error_word(device)
         self.handles = (hdl, fhdl)
+        self.world = world
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's flags are zero before anyone signals
+
+
+    def wait(self, world: int, timeout_ns: int, wait: bool = True) -> None:
+        """Launch the receiver's epoch wait (or, with ``wait=False``, only the epoch advance)."""
+        _compiled("wait" if wait else "advance")(self.flags, self.epoch, self.counter, self.errors, world,
+                                                 timeout_ns)
+
+    def settle(self, world: int, timeout_ns: int) -> None:
+        """Wait until every sender published the current epoch (after advance-only launches)."""
+        _compiled("settle")(self.flags, self.epoch, self.counter, self.errors, world, timeout_ns)
 
 
 class SymmetricUlyssesA2A:
@@ -75,7 +90,8 @@ class SymmetricUlyssesA2A:
         b, s, h_loc, d = o.shape
         key = (b, s, h_loc, d, o.dtype)
         if key not in self.states:
-            self.states[key] = _State(self.group, (b, s // self.world, h_loc * self.world, d), o.dtype, o.device)
+            self.states[key] = SymmetricOutput(self.group, (b, s // self.world, h_loc * self.world, d), o.dtype,
+                                               o.device)
         st = self.states[key]
         vec_per_row = d * o.element_size() // 16
         n_tiles = (s // self.tile_m) * h_loc * b
@@ -84,7 +100,7 @@ class SymmetricUlyssesA2A:
         _compiled("scatter", vec_per_row, self.tile_m)(
             o.view(torch.int32).view(-1, 4), st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
             b, s, h_loc, self.rank, self.world, grid, self.timeout_ns)
-        _compiled("wait")(st.flags, st.epoch, st.counter, st.errors, self.world, self.timeout_ns)
+        st.wait(self.world, self.timeout_ns)
         return st.out
 
     def check(self) -> None:

@@ -6,11 +6,7 @@ CTA that owns it stores it with 128-bit stores straight into rank j's symmetric 
 moves on: no per-tile wait for remote completion. This is the communication half of the piggybacked
 FlashAttention epilogue; the same tile walk and stores run after each tile's Q-loop in the fused kernel.
 
-Flags (one Int32 array of 2P words per rank, symmetric, monotone epochs, so CUDA-Graph replays never see
-stale values; the epoch itself lives on the device and only the wait kernel advances it):
-- ``flags[s]`` (data): sender s writes epoch e after all its CTAs' stores are performed (system scope);
-- ``flags[P + j]`` (ready): rank j writes epoch e when its launch e starts, i.e. once its stream has finished
-  with the output of launch e-1; senders wait (bounded) for it before their first store to j.
+Completion and buffer reuse follow the epoch-flag protocol of ``flash_a2a.epoch``.
 """
 from __future__ import annotations
 
@@ -21,6 +17,7 @@ from cutlass import Int32, Int64
 from cutlass.cute.runtime import make_fake_tensor
 
 from cute_kernels import flags as fl
+from flash_a2a.epoch import announce_ready, ensure_ready, publish_done
 
 WORDS_PER_VEC = 4  # 128 bits
 
@@ -66,10 +63,7 @@ class UlyssesScatterKernel:
         n_tiles = n_mb * h_loc * batch
         n_out_vec = Int64(batch) * Int64(rows_per_rank) * Int64(heads) * Int64(vpr)
 
-        # Announce: this rank is ready to receive epoch e_next (its stream is done with the last output).
-        if bidx == 0 and tidx < world:
-            peer_flags = cute.make_ptr(Int32, flag_ptrs[tidx], cute.AddressSpace.gmem, assumed_align=4)
-            cute.arch.atomic_max((peer_flags + (world + rank)).llvm_ptr, e_next, sem="release", scope="sys")
+        announce_ready(flag_ptrs, rank, world, e_next, Int32(tidx), Int32(bidx))
 
         vals = cute.make_rmem_tensor(cute.make_layout((self.vec_per_thread, WORDS_PER_VEC), stride=(WORDS_PER_VEC, 1)), Int32)
         ready_mask = Int32(0)
@@ -88,12 +82,8 @@ class UlyssesScatterKernel:
                 v = idx % vpr
                 src = ((Int64(bb) * seq + row0 + r) * h_loc + h) * vpr + v
                 cute.autovec_copy(o[src, None], vals[i, None])
-            if (ready_mask >> j) & 1 == 0:
-                if tidx == 0:
-                    fl.wait_geq(flags, world + j, e_next, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT),
-                                Int32(bidx), "sys")
-                cute.arch.sync_threads()
-                ready_mask = ready_mask | (1 << j)
+            ready_mask = ensure_ready(flags, ready_mask, j, world, e_next, timeout_ns, errors, Int32(tidx),
+                                      Int32(bidx), 1, self.threads)
             dst = cute.make_tensor(cute.make_ptr(Int32, out_ptrs[j], cute.AddressSpace.gmem, assumed_align=16),
                                    cute.make_layout((n_out_vec, WORDS_PER_VEC), stride=(WORDS_PER_VEC, 1)))
             atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Int32, num_bits_per_copy=128)
@@ -108,18 +98,20 @@ class UlyssesScatterKernel:
         # publishes epoch e_next in every receiver's data flag for this sender.
         cute.arch.fence_acq_rel_sys()
         cute.arch.sync_threads()
-        if tidx == 0:
-            arrived = cute.arch.atomic_add(fl.elem_ptr(counter, 0), Int32(1), sem="acq_rel", scope="gpu")
-            if arrived == Int32(grid) - 1:
-                cute.arch.fence_acq_rel_sys()
-                for jj in cutlass.range(world, unroll=1):
-                    peer_flags = cute.make_ptr(Int32, flag_ptrs[jj], cute.AddressSpace.gmem, assumed_align=4)
-                    cute.arch.atomic_max((peer_flags + rank).llvm_ptr, e_next, sem="release", scope="sys")
+        publish_done(flag_ptrs, counter, rank, world, e_next, Int32(grid), Int32(tidx))
 
 
 class EpochWaitKernel:
-    """Receiver side: wait (bounded, acquire, system scope) until every sender published epoch e+1, then
-    advance the device epoch and reset the scatter kernel's arrival counter."""
+    """Receiver side of the epoch protocol, one small launch after each sender kernel.
+
+    - ``wait=True, advance=True`` (default): wait (bounded, acquire, system scope) until every sender
+      published epoch e+1, then advance the device epoch to e+1 and reset the senders' arrival counter;
+    - ``wait=False``: advance only, for back-to-back sender-side timing;
+    - ``advance=False``: wait for the current epoch e only (settles a series of advance-only launches).
+    """
+
+    def __init__(self, wait: bool = True, advance: bool = True):
+        self.wait, self.advance = wait, advance
 
     def fake_args(self):
         small = [make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4) for _ in range(4)]
@@ -135,11 +127,13 @@ class EpochWaitKernel:
     def kernel(self, flags: cute.Tensor, epoch: cute.Tensor, counter: cute.Tensor, errors: cute.Tensor,
                world: Int32, timeout_ns: Int64):
         tidx, _, _ = cute.arch.thread_idx()
-        e_next = epoch[0] + 1
-        if tidx < world:
-            fl.wait_geq(flags, Int32(tidx), e_next, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), Int32(tidx),
-                        "sys")
+        target = epoch[0] + (1 if cutlass.const_expr(self.advance) else 0)
+        if cutlass.const_expr(self.wait):
+            if tidx < world:
+                fl.wait_geq(flags, Int32(tidx), target, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT),
+                            Int32(tidx), "sys")
         cute.arch.sync_threads()
-        if tidx == 0:
-            epoch[0] = e_next
-            counter[0] = Int32(0)
+        if cutlass.const_expr(self.advance):
+            if tidx == 0:
+                epoch[0] = target
+                counter[0] = Int32(0)

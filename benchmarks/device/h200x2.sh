@@ -18,6 +18,10 @@ for stage in $stages; do
       timeout 420 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" ;;
     calibrate)
       timeout 420 python3 -m calibrate.cli calibrate --machine h200x2 --out "$OUT/h200x2" 2>&1 | tee "$OUT/calibrate.log" ;;
+    fatests)
+      timeout 300 python3 -m pytest -q -x -rs tests/test_flash_attention.py tests/test_flash_a2a_scatter.py 2>&1 | tee "$OUT/pytest_fa.log" ;;
+    fa)
+      timeout 420 python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/flash_a2a.json" 2>&1 | tee "$OUT/fa.log" ;;
     a2a)
       timeout 300 python3 -m benchmarks.a2a_only --out "$OUT/h200x2/a2a_only.json" 2>&1 | tee "$OUT/a2a.log" ;;
     pack)

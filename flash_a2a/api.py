@@ -1,0 +1,205 @@
+"""Python API of the fused FlashAttention + Ulysses All-to-All.
+
+- ``flash_attention(q, k, v)``: our persistent Hopper attention alone (the FA-only column), one GPU.
+- ``fused_attention_a2a(q, k, v, group)``: q/k/v head-partitioned (b, S, H/P, d) on each rank; returns this
+  rank's (b, S/P, H, d) output, complete and safe to read on the current stream. The output lives in a
+  symmetric buffer reused by the next call of the same shape: consume or clone it before then.
+- ``UlyssesAttention(group)``: drop-in for yunchang's ``UlyssesAttention`` (q/k/v in (b, S/P, H, d)).
+
+Every entry validates its input and raises ``ValueError`` (or ``NotImplementedError`` for options we do
+not support) before any launch. Kernels launch on torch's current stream and are CUDA-Graph capturable
+once warmed up outside capture.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from cute_kernels.runtime import TORCH_TO_CUTLASS, check_error_word
+from flash_a2a.a2a import SymmetricOutput
+from flash_a2a.attention import MODES, TILE_M, FlashAttentionA2AForward
+from flash_a2a.mapping import check_ulysses_shapes
+
+_KERNELS: dict = {}
+DEFAULT_TIMEOUT_NS = 2_000_000_000
+
+
+def _kernel(dtype, head_dim: int, mode: str, instrument: bool = False):
+    key = (dtype, head_dim, mode, instrument)
+    if key not in _KERNELS:
+        from cutlass.runtime import make_fake_stream
+
+        from cute_kernels.compile import compile_kernel
+
+        k = FlashAttentionA2AForward(TORCH_TO_CUTLASS[dtype], head_dim, mode, instrument=instrument)
+        _KERNELS[key] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
+    return _KERNELS[key]
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world: int = 1) -> None:
+    """ValueError naming the fix for anything the kernel does not take; nothing is launched."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen, heads, head_dim)")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} must be bfloat16 or float16, got {t.dtype}")
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (head_dim); call .contiguous()")
+        if any((st * t.element_size()) % 16 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"{name} strides and base must be 16-byte aligned; call .contiguous()")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device) or q.device.index != torch.cuda.current_device():
+        raise ValueError(f"q, k, v must all live on the current device cuda:{torch.cuda.current_device()}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k, v must have one shape (self-attention, no GQA), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, s, h, d = q.shape
+    if d not in (64, 128):
+        raise ValueError(f"head_dim must be 64 or 128, got {d}")
+    if s % (world * TILE_M):
+        raise ValueError(f"sequence length {s} must be a multiple of {world * TILE_M} "
+                         f"({world} rank(s) x {TILE_M}-row tiles); pad the sequence")
+
+
+def _scale(softmax_scale, d):
+    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+
+
+def _grid(n_tiles: int, device) -> int:
+    return max(1, min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count))
+
+
+class _Dummy:
+    """Small placeholders for arguments a variant does not read (kept so every variant has one signature)."""
+
+    def __init__(self, device):
+        self.i64 = torch.zeros(1, dtype=torch.int64, device=device)
+        self.i32 = torch.zeros(4, dtype=torch.int32, device=device)
+        self.spans = torch.zeros(1, 4, dtype=torch.int64, device=device)
+
+
+_DUMMIES: dict = {}
+
+
+def _dummy(device) -> _Dummy:
+    if device not in _DUMMIES:
+        _DUMMIES[device] = _Dummy(device)
+    return _DUMMIES[device]
+
+
+def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None) -> torch.Tensor:
+    """Non-causal attention softmax(q kᵀ · scale) v on one GPU, (b, S, H, d) in and out."""
+    check_qkv(q, k, v)
+    b, s, h, d = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("out must be a contiguous tensor of q's shape and dtype")
+    n_tiles = (s // TILE_M) * h * b
+    dm = _dummy(q.device)
+    _kernel(q.dtype, d, "local", spans is not None)(
+        q, k, v, out, dm.i64, dm.i64, dm.i32, dm.i32, dm.i32, dm.i32, spans if spans is not None else dm.spans,
+        _scale(softmax_scale, d), 0, 1, _grid(n_tiles, q.device), DEFAULT_TIMEOUT_NS)
+    return out
+
+
+class FusedAttentionA2A:
+    """Holds the symmetric output buffers of one process group (one per shape and dtype)."""
+
+    def __init__(self, group=None, timeout_s: float = 2.0):
+        self.group = group or dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.states: dict = {}
+
+    def state(self, q) -> SymmetricOutput:
+        b, s, h_loc, d = q.shape
+        key = (b, s, h_loc, d, q.dtype)
+        if key not in self.states:
+            self.states[key] = SymmetricOutput(self.group, (b, s // self.world, h_loc * self.world, d), q.dtype,
+                                               q.device)
+        return self.states[key]
+
+    def launch(self, q, k, v, softmax_scale=None, mode: str = "piggyback", wait: bool = True, spans=None):
+        """Attention kernel, then the receiver's epoch wait (``wait=False``: epoch advance only, for
+        sender-side timing; a later waiting launch covers every earlier epoch)."""
+        if mode not in MODES[1:]:
+            raise ValueError(f"mode must be 'piggyback' or 'completion_coupled', got {mode!r}")
+        check_qkv(q, k, v, self.world)
+        check_ulysses_shapes(q.shape[1], q.shape[2] * self.world, self.world, TILE_M)
+        st = self.state(q)
+        b, s, h_loc, d = q.shape
+        n_tiles = (s // TILE_M) * h_loc * b
+        dm = _dummy(q.device)
+        _kernel(q.dtype, d, mode, spans is not None)(
+            q, k, v, q, st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
+            spans if spans is not None else dm.spans, _scale(softmax_scale, d), self.rank, self.world,
+            _grid(n_tiles, q.device), self.timeout_ns)
+        st.wait(self.world, self.timeout_ns, wait)
+        return st.out
+
+    __call__ = launch
+
+    def check(self) -> None:
+        """Raise if any launch so far hit a bounded-wait timeout (synchronizes)."""
+        for st in self.states.values():
+            check_error_word(st.errors, f"fused attention + All-to-All on rank {self.rank}")
+
+
+_FUSED: dict = {}
+
+
+def fused_attention_a2a(q, k, v, group=None, softmax_scale=None, mode: str = "piggyback") -> torch.Tensor:
+    """(b, S, H/P, d) per rank -> this rank's (b, S/P, H, d) attention output after the Ulysses All-to-All."""
+    group = group or dist.group.WORLD
+    if group not in _FUSED:
+        _FUSED[group] = FusedAttentionA2A(group)
+    return _FUSED[group](q, k, v, softmax_scale, mode)
+
+
+def pre_attention_a2a(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Ulysses pre-attention All-to-All through NCCL: (b, S/P, H, d) -> (b, S, H/P, d)."""
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    b, s_loc, h, d = x.shape
+    send = x.reshape(b, s_loc, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, world * s_loc, h // world, d)
+
+
+class UlyssesAttention(torch.nn.Module):
+    """Drop-in for yunchang's ``UlyssesAttention``: forward(query, key, value, ...) with q/k/v in
+    (b, S/P, H, d) returns (b, S/P, H, d). Pre-attention All-to-All through NCCL, then our fused
+    attention + post-attention All-to-All. The result is a fresh tensor (safe to keep)."""
+
+    def __init__(self, sequence_process_group=None, scatter_idx: int = 2, gather_idx: int = 1,
+                 use_sync: bool = False, mode: str = "piggyback"):
+        super().__init__()
+        if (scatter_idx, gather_idx) != (2, 1):
+            raise NotImplementedError("only scatter_idx=2, gather_idx=1 (the (b, s, h, d) layout) is supported")
+        self.group = sequence_process_group or dist.group.WORLD
+        self.mode = mode
+        self.fused = FusedAttentionA2A(self.group)
+
+    def forward(self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *args):
+        unsupported = {"dropout_p": dropout_p != 0.0, "causal": bool(causal),
+                       "window_size": tuple(window_size) != (-1, -1), "softcap": softcap != 0.0,
+                       "alibi_slopes": alibi_slopes is not None, "return_attn_probs": bool(return_attn_probs)}
+        bad = [name for name, on in unsupported.items() if on]
+        if bad:
+            raise NotImplementedError(f"UlyssesAttention does not support {', '.join(bad)} "
+                                      "(non-causal full attention without dropout only)")
+        world = self.fused.world
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dim() != 4 or t.shape[2] % world:
+                raise ValueError(f"{name} must be (b, S/P, H, d) with H divisible by the group size {world}, "
+                                 f"got {tuple(t.shape)}")
+        q, k, v = (pre_attention_a2a(t.contiguous(), self.group) for t in (query, key, value))
+        return self.fused(q, k, v, softmax_scale, self.mode).clone()

@@ -1,0 +1,367 @@
+"""FlashAttentionA2AForward: a persistent Hopper FlashAttention forward (non-causal, bf16/fp16, d = 64 or
+128) whose epilogue either writes O locally or piggybacks the Ulysses post-attention All-to-All.
+
+CTA = 3 warpgroups. Warpgroup 0 is the producer (one warp issues the TMA loads of Q and of the K/V
+pipeline); warpgroups 1 and 2 are the MMA warpgroups, 64 query rows each: S = Q Kᵀ with WGMMA from shared
+memory, online softmax in registers, O += P V with P from registers. The grid is persistent: CTA c walks
+tiles c, c + grid, ... of ``tile_order``.
+
+Epilogue (compile-time ``mode``), per MMA warpgroup, on its own 64-row half of the output tile:
+- ``local``: O to this rank's (b, S, H/P, d) tensor;
+- ``piggyback``: the same 128-bit stores, into the destination rank's symmetric (b, S/P, H, d) buffer
+  (flash_a2a.mapping), then straight on to the next tile's Q-loop: no communication warp, no wait;
+- ``completion_coupled``: as piggyback, but the warpgroup waits for its stores to be performed at system
+  scope (fence.acq_rel.sys) before going on: the paper's counterfactual (eq. 17).
+Each warpgroup owns its 64-row half and stores it without waiting for the other warpgroup, so a tile
+boundary emits two 16 KiB bursts per SM at different times rather than one aligned 32 KiB burst: on the
+H200 profile the per-producer knee is 20 KiB, so a 16 KiB burst stays below it (``xstage design-test``).
+
+Tile order: the destination rank varies fastest, then the row block within that rank, then the head,
+then the batch: concurrently running tiles spread their bursts evenly over all destination links, and
+neighbouring CTAs share a head, so K/V stay hot in L2.
+"""
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_tensor
+from cutlass.utils import LayoutEnum
+from quack import copy_utils, layout_utils, sm90_utils
+
+from cute_kernels import flags as fl
+from flash_a2a.epoch import announce_ready, ensure_ready, publish_done
+
+MODES = ("local", "piggyback", "completion_coupled")
+TILE_M = 128
+TILE_N = 128
+WG_THREADS = 128
+EPILOGUE_BARRIER = 1  # named barriers 1 and 2: one per MMA warpgroup (0 is __syncthreads)
+
+
+def tile_coords(t, world, n_mb_per_rank, h_loc):
+    """Tile index -> (m_block, local head, batch, destination rank); destination rank fastest."""
+    j = t % world
+    rest = t // world
+    mb_in_rank = rest % n_mb_per_rank
+    rest = rest // n_mb_per_rank
+    return j * n_mb_per_rank + mb_in_rank, rest % h_loc, rest // h_loc, j
+
+
+class OnlineSoftmax:
+    """Row max / row sum of one MMA warpgroup's rows, each row spread over a quad of threads."""
+
+    def __init__(self, scale_log2, num_rows: int):
+        self.scale_log2 = scale_log2
+        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+
+    @cute.jit
+    def update(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """Exponentiate S in place (P = exp2(S·scale − max·scale)); return each row's rescale factor."""
+        s_mn = layout_utils.reshape_acc_to_mn(acc_s)
+        row_scale = cute.make_fragment_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            row = s_mn[r, None].load()
+            cur = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            if const_expr(not is_first):
+                cur = cute.arch.fmax(cur, self.row_max[r])
+            cur = cute.arch.warp_reduction_max(cur, threads_in_group=4)
+            cur_scaled = cur * self.scale_log2
+            p = cute.math.exp2(row * self.scale_log2 - cur_scaled, fastmath=True)
+            if const_expr(is_first):
+                row_scale[r] = Float32(1.0)
+                self.row_sum[r] = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            else:
+                row_scale[r] = cute.math.exp2((self.row_max[r] - cur) * self.scale_log2, fastmath=True)
+                self.row_sum[r] = p.reduce(cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0)
+            self.row_max[r] = cur
+            s_mn[r, None].store(p)
+        return row_scale
+
+    @cute.jit
+    def finalize(self) -> cute.Tensor:
+        """1 / row sum (quad-reduced), the factor that normalizes O."""
+        inv = cute.make_fragment_like(self.row_sum, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            inv[r] = cute.arch.rcp_approx(total)
+        return inv
+
+    @cute.jit
+    def rescale(self, acc_o: cute.Tensor, row_scale: cute.Tensor):
+        o_mn = layout_utils.reshape_acc_to_mn(acc_o)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            o_mn[r, None].store(o_mn[r, None].load() * row_scale[r])
+
+
+class FlashAttentionA2AForward:
+    def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", num_stages: int = 2,
+                 instrument: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            raise ValueError("dtype must be BFloat16 or Float16")
+        self.dtype, self.head_dim, self.mode, self.num_stages = dtype, head_dim, mode, num_stages
+        self.instrument = instrument
+        self.num_mma_wg = TILE_M // 64
+        self.num_threads = WG_THREADS * (self.num_mma_wg + 1)
+        self.vec = 128 // dtype.width  # elements per 128-bit store
+
+    # ---------------------------------------------------------------- host
+    def fake_args(self):
+        d = self.head_dim
+        b, s, h = cute.sym_int64(), cute.sym_int64(divisibility=TILE_M), cute.sym_int64()
+
+        def qkv():
+            return make_fake_tensor(self.dtype, (b, s, h, d), stride=(cute.sym_int64(divisibility=self.vec),
+                                                                       cute.sym_int64(divisibility=self.vec),
+                                                                       cute.sym_int64(divisibility=self.vec), 1),
+                                    assumed_align=16)
+
+        i64 = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
+        i64b = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
+        small = [make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4) for _ in range(4)]
+        spans = make_fake_tensor(Int64, (cute.sym_int64(), 4), stride=(4, 1), assumed_align=16)
+        return (qkv(), qkv(), qkv(), qkv(), i64, i64b, *small, spans,
+                Float32(1.0), Int32(0), Int32(1), Int32(1), Int64(1))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 out_ptrs: cute.Tensor, flag_ptrs: cute.Tensor, flags: cute.Tensor, epoch: cute.Tensor,
+                 counter: cute.Tensor, errors: cute.Tensor, spans: cute.Tensor, softmax_scale: Float32,
+                 rank: Int32, world: Int32, grid: Int32, timeout_ns: Int64, stream: cuda.CUstream):
+        d = self.head_dim
+        # (b, s, h, d) -> (s, d, h, b): TMA tiles over (rows, head dim) of one (head, batch).
+        sel = [1, 3, 2, 0]
+        mQt, mKt, mVt = [layout_utils.select(t, sel) for t in (mQ, mK, mV)]
+        tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, TILE_N))
+        tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
+        sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
+        sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.num_stages)
+        sV_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.num_stages)
+        sO_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_layout, (TILE_M, d))
+        tma_k, gK_tma = cpasync.make_tiled_tma_atom(load_op, mKt, cute.select(sK_layout, mode=[0, 1]),
+                                                    (TILE_N, d), 1)
+        tma_v, gV_tma = cpasync.make_tiled_tma_atom(load_op, mVt, cute.select(sV_layout, mode=[0, 1]),
+                                                    (TILE_N, d), 1)
+        tx_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        tx_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[Int64, 2]
+            mbar_k: cute.struct.MemRange[Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+
+        scale_log2 = softmax_scale * Float32(math.log2(math.e))
+        self.kernel(gQ_tma, gK_tma, gV_tma, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans,
+                    tma_q, tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
+                    tx_q, tx_kv, scale_log2, rank, world, timeout_ns, SharedStorage).launch(
+            grid=(grid, 1, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               out_ptrs: cute.Tensor, flag_ptrs: cute.Tensor, flags: cute.Tensor, epoch: cute.Tensor,
+               counter: cute.Tensor, errors: cute.Tensor, spans: cute.Tensor,
+               tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               tx_q: cutlass.Constexpr, tx_kv: cutlass.Constexpr, scale_log2: Float32, rank: Int32,
+               world: Int32, timeout_ns: Int64, SharedStorage: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4)
+        pipe_q = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
+                                                  producer_group=one_thread, consumer_group=mma_warps,
+                                                  tx_count=tx_q, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_k.data_ptr(),
+                                                  num_stages=self.num_stages, producer_group=one_thread,
+                                                  consumer_group=mma_warps, tx_count=tx_kv, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_v.data_ptr(),
+                                                  num_stages=self.num_stages, producer_group=one_thread,
+                                                  consumer_group=mma_warps, tx_count=tx_kv, defer_sync=True)
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        pipeline.pipeline_init_wait()
+
+        seq = Int32(cute.size(mQ, mode=[0]))
+        h_loc = Int32(cute.size(mQ, mode=[2]))
+        batch = Int32(cute.size(mQ, mode=[3]))
+        n_kv = seq // TILE_N
+        rows_per_rank = seq // world
+        n_mb_per_rank = rows_per_rank // TILE_M
+        n_tiles = n_mb_per_rank * world * h_loc * batch
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(24)
+            if warp_idx == 0:
+                self.producer(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, n_tiles,
+                              n_kv, n_mb_per_rank, h_loc, world, bidx, grid)
+        else:
+            cute.arch.setmaxregister_increase(240)
+            self.consumer(mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, sQ, sK, sV, sO,
+                          tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world,
+                          timeout_ns, n_tiles, n_kv, n_mb_per_rank, rows_per_rank, h_loc, seq, tidx - WG_THREADS,
+                          bidx, grid)
+
+    @cute.jit
+    def producer(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, n_tiles, n_kv,
+                 n_mb_per_rank, h_loc, world, bidx, grid):
+        d = self.head_dim
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
+            m_block, h, bb, _ = tile_coords(t, world, n_mb_per_rank, h_loc)
+            gQ = cute.local_tile(mQ[None, None, h, bb], (TILE_M, d), (m_block, 0))
+            load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ, single_stage=True)
+            gK = cute.local_tile(mK[None, None, h, bb], (TILE_N, d), (None, 0))
+            gV = cute.local_tile(mV[None, None, h, bb], (TILE_N, d), (None, 0))
+            load_k, _, _ = copy_utils.tma_get_copy_fn(tma_k, 0, cute.make_layout(1), gK, sK)
+            load_v, _, _ = copy_utils.tma_get_copy_fn(tma_v, 0, cute.make_layout(1), gV, sV)
+            pipe_q.producer_acquire(q_state)
+            load_q(tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+            for n in cutlass.range(n_kv, unroll=1):
+                pipe_k.producer_acquire(kv_state)
+                load_k(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                pipe_v.producer_acquire(kv_state)
+                load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                kv_state.advance()
+        pipe_v.producer_tail(kv_state)
+
+    @cute.jit
+    def kv_block(self, is_first: cutlass.Constexpr[bool], softmax: OnlineSoftmax, acc_o, tOrP, tSrQ, tSrK,
+                 tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state):
+        """One KV block of the Q-loop: S = Q Kᵀ, online softmax, O = O·rescale + P V."""
+        pipe_k.consumer_wait(kv_state)
+        acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
+                                          wg_wait=0)
+        pipe_k.consumer_release(kv_state)
+        row_scale = softmax.update(acc_s, is_first)
+        if const_expr(not is_first):
+            softmax.rescale(acc_o, row_scale)
+        tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s).load().to(self.dtype))
+        pipe_v.consumer_wait(kv_state)
+        sm90_utils.gemm_w_idx(tiled_mma_pv, acc_o, tOrP, tOrVt, zero_init=is_first, B_idx=kv_state.index,
+                              wg_wait=0)
+        pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def consumer(self, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, sQ, sK, sV, sO,
+                 tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world, timeout_ns,
+                 n_tiles, n_kv, n_mb_per_rank, rows_per_rank, h_loc, seq, tidx, bidx, grid):
+        d = self.head_dim
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        wg_layout = cute.make_layout(self.num_mma_wg, stride=WG_THREADS)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg))
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg))
+        _, tSrQ, tSrK = sm90_utils.partition_fragment_ABC(wg_mma_qk, (TILE_M, TILE_N, d), sQ, sK)
+        sVt = layout_utils.transpose_view(sV)
+        acc_o, tOrP, tOrVt = sm90_utils.partition_fragment_ABC(wg_mma_pv, (TILE_M, d, TILE_N), None, sVt)
+        # Epilogue: registers -> sO (stmatrix) -> 128-bit stores by this warpgroup's 128 threads.
+        st_atom = copy_utils.get_smem_store_atom(self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
+        tOsO = thr_st.partition_D(sO)
+        lanes_d = d // self.vec
+        g_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_ordered_layout((WG_THREADS // lanes_d, lanes_d), order=(1, 0)),
+            cute.make_layout((1, self.vec)))
+        thr_g = g_copy.get_slice(tidx % WG_THREADS)
+        sO_wg = cute.local_tile(sO, (64, d), (wg, 0))
+        tGsO = thr_g.partition_S(sO_wg)
+        tGrO = cute.make_fragment_like(tGsO)
+        heads = h_loc * world
+        e_next = epoch[0] + 1
+        if const_expr(self.mode != "local"):
+            announce_ready(flag_ptrs, rank, world, e_next, tidx, bidx)
+        ready_mask = Int32(0)
+        bar_id = EPILOGUE_BARRIER + wg
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
+            m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc)
+            softmax = OnlineSoftmax(scale_log2, cute.size(layout_utils.reshape_acc_to_mn(acc_o), mode=[0]))
+            pipe_q.consumer_wait(q_state)
+            kv_state = self.kv_block(True, softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                                     tiled_mma_pv, pipe_k, pipe_v, kv_state)
+            for _ in cutlass.range(n_kv - 1, unroll=1):
+                kv_state = self.kv_block(False, softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                                         tiled_mma_pv, pipe_k, pipe_v, kv_state)
+            pipe_q.consumer_release(q_state)
+            q_state.advance()
+            softmax.rescale(acc_o, softmax.finalize())
+
+            # ---- epilogue of this warpgroup's 64 rows
+            r_o = cute.make_fragment_like(acc_o, self.dtype)
+            r_o.store(acc_o.load().to(self.dtype))
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)  # sO rows free again
+            cute.copy(st_atom, thr_st.retile(r_o), tOsO)
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
+            cute.autovec_copy(tGsO, tGrO)
+            row0 = m_block * TILE_M + wg * 64
+            if const_expr(self.mode == "local"):
+                base = mO.iterator + cute.assume(((Int64(bb) * seq + row0) * h_loc + h) * d, divby=self.vec)
+                row_stride = cute.assume(h_loc * d, divby=d)
+            else:
+                ready_mask = ensure_ready(flags, ready_mask, dest, world, e_next, timeout_ns, errors, tidx,
+                                          Int32(bidx), bar_id, WG_THREADS)
+                drow = row0 - dest * rows_per_rank
+                peer = cute.make_ptr(self.dtype, out_ptrs[dest], cute.AddressSpace.gmem, assumed_align=16)
+                base = peer + cute.assume(((Int64(bb) * rows_per_rank + drow) * heads + rank * h_loc + h) * d,
+                                          divby=self.vec)
+                row_stride = cute.assume(heads * d, divby=d)
+            g_dst = cute.make_tensor(base, cute.make_layout((64, d), stride=(row_stride, 1)))
+            gt0, ck0 = cute.arch.globaltimer(), cute.arch.clock64()
+            cute.copy(g_copy, tGrO, thr_g.partition_D(g_dst))
+            if const_expr(self.mode == "completion_coupled"):
+                cute.arch.fence_acq_rel_sys()  # returns once this thread's stores are performed remotely
+            if const_expr(self.instrument):
+                cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
+                if tidx % WG_THREADS == 0:
+                    row = t * self.num_mma_wg + wg  # one row per (tile, warpgroup)
+                    spans[row, 0] = gt0
+                    spans[row, 1] = cute.arch.globaltimer()
+                    spans[row, 2] = ck0
+                    spans[row, 3] = cute.arch.clock64()
+
+        if const_expr(self.mode != "local"):
+            cute.arch.fence_acq_rel_sys()
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + self.num_mma_wg,
+                              number_of_threads=WG_THREADS * self.num_mma_wg)
+            publish_done(flag_ptrs, counter, rank, world, e_next, Int32(grid), tidx)

@@ -1,0 +1,56 @@
+"""The epoch-flag protocol shared by every kernel that stores into other ranks' symmetric buffers.
+
+Per rank one Int32 array ``flags`` of 2P words (symmetric memory), monotone epochs (never reset, so a
+CUDA-Graph replay never sees a stale value), the current epoch in a device word advanced only by the
+receiver's EpochWaitKernel:
+- ``flags[P + j]`` (ready): rank j writes epoch e when its launch e starts, i.e. once its stream is done
+  with the output of launch e-1. A sender waits for it (bounded) before its first store to j.
+- ``flags[s]`` (data): sender s writes epoch e after all of its CTAs' stores are performed.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from cute_kernels import flags as fl
+
+
+def _peer_flag(flag_ptrs: cute.Tensor, peer, index):
+    base = cute.make_ptr(Int32, flag_ptrs[peer], cute.AddressSpace.gmem, assumed_align=4)
+    return (base + index).llvm_ptr
+
+
+@cute.jit
+def announce_ready(flag_ptrs: cute.Tensor, rank: Int32, world: Int32, e_next: Int32, tidx: Int32, bidx: Int32):
+    """CTA 0, one thread per peer: this rank may now receive epoch ``e_next``."""
+    if bidx == 0 and tidx < world:
+        cute.arch.atomic_max(_peer_flag(flag_ptrs, tidx, world + rank), e_next, sem="release", scope="sys")
+
+
+@cute.jit
+def ensure_ready(flags: cute.Tensor, ready_mask: Int32, dest: Int32, world: Int32, e_next: Int32,
+                 timeout_ns: Int64, errors: cute.Tensor, tidx: Int32, bidx: Int32, barrier_id: int,
+                 num_threads: int) -> Int32:
+    """Before the first store to ``dest`` in this launch: one thread waits (bounded) for its ready flag,
+    then the ``num_threads`` storing threads sync on named barrier ``barrier_id``. Returns the new mask."""
+    mask = ready_mask
+    if (mask >> dest) & 1 == 0:
+        if tidx % num_threads == 0:
+            fl.wait_geq(flags, world + dest, e_next, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), bidx, "sys")
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+        mask = mask | (Int32(1) << dest)
+    return mask
+
+
+@cute.jit
+def publish_done(flag_ptrs: cute.Tensor, counter: cute.Tensor, rank: Int32, world: Int32, e_next: Int32,
+                 grid: Int32, tidx: Int32):
+    """After every thread of the CTA fenced its stores (fence.acq_rel.sys + CTA barrier): thread 0 arrives
+    on the launch's arrival counter; the last CTA publishes ``e_next`` in every receiver's data flag."""
+    if tidx == 0:
+        arrived = cute.arch.atomic_add(fl.elem_ptr(counter, 0), Int32(1), sem="acq_rel", scope="gpu")
+        if arrived == grid - 1:
+            cute.arch.fence_acq_rel_sys()
+            for j in cutlass.range(world, unroll=1):
+                cute.arch.atomic_max(_peer_flag(flag_ptrs, j, rank), e_next, sem="release", scope="sys")
