@@ -1,7 +1,13 @@
-"""FlashAttention fused with the Ulysses post-attention All-to-All (work in progress).
+"""FlashAttention fused with the Ulysses post-attention All-to-All.
 
-Done: the Ulysses output mapping (``mapping``) and the device-initiated post-attention All-to-All
-(``scatter``: every output tile's owner stores it straight into the destination rank's symmetric buffer,
-completion by per-sender epoch flags). Not done yet: the CuTe DSL attention mainloop that will own those
-stores (see the project issues).
+- ``flash_attention``: our persistent Hopper attention (CuTe DSL, WGMMA, warp-specialized), one GPU;
+- ``fused_attention_a2a`` / ``FusedAttentionA2A``: the same kernel with a piggybacked epilogue that stores
+  each output tile straight into its destination rank's symmetric buffer;
+- ``UlyssesAttention``: drop-in for yunchang's module;
+- ``SymmetricUlyssesA2A``: the post-attention All-to-All alone, by device-initiated stores.
 """
+from flash_a2a.a2a import SymmetricUlyssesA2A, nccl_post_a2a
+from flash_a2a.api import FusedAttentionA2A, UlyssesAttention, flash_attention, fused_attention_a2a
+
+__all__ = ["FusedAttentionA2A", "SymmetricUlyssesA2A", "UlyssesAttention", "flash_attention",
+           "fused_attention_a2a", "nccl_post_a2a"]

@@ -20,14 +20,13 @@ _KERNELS: dict = {}
 
 
 def _compiled(kind, *key):
-    """Compiled kernels by kind: "scatter" (vec_per_row, tile_m), "wait", "advance", "settle" ()."""
+    """Compiled kernels by kind: "scatter" (vec_per_row, tile_m) or "wait" ()."""
     if (kind, key) not in _KERNELS:
         from cutlass.runtime import make_fake_stream
 
         from cute_kernels.compile import compile_kernel
 
-        k = {"scatter": lambda: UlyssesScatterKernel(*key), "wait": lambda: EpochWaitKernel(True, True),
-             "advance": lambda: EpochWaitKernel(False, True), "settle": lambda: EpochWaitKernel(True, False)}[kind]()
+        k = UlyssesScatterKernel(*key) if kind == "scatter" else EpochWaitKernel()
         _KERNELS[(kind, key)] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
     return _KERNELS[(kind, key)]
 
@@ -54,14 +53,9 @@ class SymmetricOutput:
         dist.barrier(group=group)  # every rank's flags are zero before anyone signals
 
 
-    def wait(self, world: int, timeout_ns: int, wait: bool = True) -> None:
-        """Launch the receiver's epoch wait (or, with ``wait=False``, only the epoch advance)."""
-        _compiled("wait" if wait else "advance")(self.flags, self.epoch, self.counter, self.errors, world,
-                                                 timeout_ns)
-
-    def settle(self, world: int, timeout_ns: int) -> None:
-        """Wait until every sender published the current epoch (after advance-only launches)."""
-        _compiled("settle")(self.flags, self.epoch, self.counter, self.errors, world, timeout_ns)
+    def wait(self, world: int, timeout_ns: int) -> None:
+        """Launch the receiver's wait for every sender's data of the current epoch (bounded)."""
+        _compiled("wait")(self.flags, self.epoch, self.errors, world, timeout_ns)
 
 
 class SymmetricUlyssesA2A:

@@ -26,14 +26,15 @@ _KERNELS: dict = {}
 DEFAULT_TIMEOUT_NS = 2_000_000_000
 
 
-def _kernel(dtype, head_dim: int, mode: str, instrument: bool = False):
-    key = (dtype, head_dim, mode, instrument)
+def _kernel(dtype, head_dim: int, mode: str, instrument: bool = False, overlap: bool = True):
+    key = (dtype, head_dim, mode, instrument, overlap)
     if key not in _KERNELS:
         from cutlass.runtime import make_fake_stream
 
         from cute_kernels.compile import compile_kernel
 
-        k = FlashAttentionA2AForward(TORCH_TO_CUTLASS[dtype], head_dim, mode, instrument=instrument)
+        k = FlashAttentionA2AForward(TORCH_TO_CUTLASS[dtype], head_dim, mode, instrument=instrument,
+                                     overlap=overlap)
         _KERNELS[key] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
     return _KERNELS[key]
 
@@ -92,8 +93,9 @@ def _dummy(device) -> _Dummy:
     return _DUMMIES[device]
 
 
-def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None) -> torch.Tensor:
-    """Non-causal attention softmax(q kᵀ · scale) v on one GPU, (b, S, H, d) in and out."""
+def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: bool = True) -> torch.Tensor:
+    """Non-causal attention softmax(q kᵀ · scale) v on one GPU, (b, S, H, d) in and out.
+    ``overlap=False`` selects the plain mainloop (no intra-warpgroup overlap, no ping-pong)."""
     check_qkv(q, k, v)
     b, s, h, d = q.shape
     if out is None:
@@ -102,7 +104,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None) -> torch.
         raise ValueError("out must be a contiguous tensor of q's shape and dtype")
     n_tiles = (s // TILE_M) * h * b
     dm = _dummy(q.device)
-    _kernel(q.dtype, d, "local", spans is not None)(
+    _kernel(q.dtype, d, "local", spans is not None, overlap)(
         q, k, v, out, dm.i64, dm.i64, dm.i32, dm.i32, dm.i32, dm.i32, spans if spans is not None else dm.spans,
         _scale(softmax_scale, d), 0, 1, _grid(n_tiles, q.device), DEFAULT_TIMEOUT_NS)
     return out
@@ -126,8 +128,8 @@ class FusedAttentionA2A:
         return self.states[key]
 
     def launch(self, q, k, v, softmax_scale=None, mode: str = "piggyback", wait: bool = True, spans=None):
-        """Attention kernel, then the receiver's epoch wait (``wait=False``: epoch advance only, for
-        sender-side timing; a later waiting launch covers every earlier epoch)."""
+        """Attention kernel (it advances the epoch itself), then the receiver's wait for every sender's data
+        (``wait=False`` leaves it out, for sender-side timing; ``settle`` later covers every earlier epoch)."""
         if mode not in MODES[1:]:
             raise ValueError(f"mode must be 'piggyback' or 'completion_coupled', got {mode!r}")
         check_qkv(q, k, v, self.world)
@@ -140,8 +142,13 @@ class FusedAttentionA2A:
             q, k, v, q, st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
             spans if spans is not None else dm.spans, _scale(softmax_scale, d), self.rank, self.world,
             _grid(n_tiles, q.device), self.timeout_ns)
-        st.wait(self.world, self.timeout_ns, wait)
+        if wait:
+            st.wait(self.world, self.timeout_ns)
         return st.out
+
+    def settle(self, q) -> None:
+        """Wait (on the current stream) for the data of every launch so far with q's shape."""
+        self.state(q).wait(self.world, self.timeout_ns)
 
     __call__ = launch
 

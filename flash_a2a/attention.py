@@ -23,6 +23,7 @@ neighbouring CTAs share a head, so K/V stay hot in L2.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -34,6 +35,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_tensor
 from cutlass.utils import LayoutEnum
 from quack import copy_utils, layout_utils, sm90_utils
+from quack.cute_dsl_utils import ParamsBase
 
 from cute_kernels import flags as fl
 from flash_a2a.epoch import announce_ready, ensure_ready, publish_done
@@ -42,7 +44,8 @@ MODES = ("local", "piggyback", "completion_coupled")
 TILE_M = 128
 TILE_N = 128
 WG_THREADS = 128
-EPILOGUE_BARRIER = 1  # named barriers 1 and 2: one per MMA warpgroup (0 is __syncthreads)
+EPILOGUE_BARRIER = 1  # named barriers 1, 2: one per MMA warpgroup (0 is __syncthreads); 3: both
+SCHEDULER_BARRIER = 4  # 4, 5: warpgroup ping-pong on GEMM issue
 
 
 def tile_coords(t, world, n_mb_per_rank, h_loc):
@@ -54,13 +57,19 @@ def tile_coords(t, world, n_mb_per_rank, h_loc):
     return j * n_mb_per_rank + mb_in_rank, rest % h_loc, rest // h_loc, j
 
 
-class OnlineSoftmax:
-    """Row max / row sum of one MMA warpgroup's rows, each row spread over a quad of threads."""
+@dataclass
+class OnlineSoftmax(ParamsBase):
+    """Row max / row sum of one MMA warpgroup's rows, each row spread over a quad of threads. A ParamsBase
+    dataclass so it can be carried through the DSL's run-time loops."""
 
-    def __init__(self, scale_log2, num_rows: int):
-        self.scale_log2 = scale_log2
-        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
-        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+    scale_log2: Float32
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+
+    @staticmethod
+    def create(scale_log2, num_rows: int) -> "OnlineSoftmax":
+        return OnlineSoftmax(scale_log2, cute.make_rmem_tensor(num_rows, Float32),
+                             cute.make_rmem_tensor(num_rows, Float32))
 
     @cute.jit
     def update(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
@@ -103,7 +112,7 @@ class OnlineSoftmax:
 
 class FlashAttentionA2AForward:
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", num_stages: int = 2,
-                 instrument: bool = False):
+                 instrument: bool = False, overlap: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -112,6 +121,9 @@ class FlashAttentionA2AForward:
             raise ValueError("dtype must be BFloat16 or Float16")
         self.dtype, self.head_dim, self.mode, self.num_stages = dtype, head_dim, mode, num_stages
         self.instrument = instrument
+        # overlap: issue block n's QKᵀ with block n-1's PV inside a warpgroup, and ping-pong GEMM issue between
+        # the two MMA warpgroups so one's softmax runs under the other's GEMMs (as FA3 does).
+        self.overlap = overlap
         self.num_mma_wg = TILE_M // 64
         self.num_threads = WG_THREADS * (self.num_mma_wg + 1)
         self.vec = 128 // dtype.width  # elements per 128-bit store
@@ -281,6 +293,49 @@ class FlashAttentionA2AForward:
         return kv_state
 
     @cute.jit
+    def q_loop_overlapped(self, softmax: OnlineSoftmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                          tiled_mma_pv, pipe_k, pipe_v, kv_state, n_kv, wg):
+        """The whole Q-loop of one tile with intra-warpgroup overlap and warpgroup ping-pong.
+
+        Block n's S = Q Kₙᵀ is issued together with block n-1's O += P V; softmax of block n runs while the
+        PV GEMM drains, and the other warpgroup's GEMMs run under this warpgroup's softmax."""
+        other = 1 - wg
+        # first block: S only
+        pipe_k.consumer_wait(kv_state)
+        cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
+        acc_s0 = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
+                                           wg_wait=-1)
+        cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + other, number_of_threads=2 * WG_THREADS)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(kv_state)
+        softmax.update(acc_s0, True)
+        tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s0).load().to(self.dtype))
+        acc_o.fill(0.0)
+        for _ in cutlass.range(n_kv - 1, unroll=1):
+            kv_v = kv_state.clone()
+            kv_state.advance()
+            pipe_k.consumer_wait(kv_state)
+            cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
+            acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
+                                              wg_wait=-1)
+            pipe_v.consumer_wait(kv_v)
+            sm90_utils.gemm_w_idx(tiled_mma_pv, acc_o, tOrP, tOrVt, zero_init=False, B_idx=kv_v.index, wg_wait=-1)
+            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + other, number_of_threads=2 * WG_THREADS)
+            warpgroup.wait_group(1)  # S ready; PV may still run
+            pipe_k.consumer_release(kv_state)
+            row_scale = softmax.update(acc_s, False)
+            warpgroup.wait_group(0)  # PV done: O and P may change
+            pipe_v.consumer_release(kv_v)
+            softmax.rescale(acc_o, row_scale)
+            tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s).load().to(self.dtype))
+        # last block's PV
+        pipe_v.consumer_wait(kv_state)
+        sm90_utils.gemm_w_idx(tiled_mma_pv, acc_o, tOrP, tOrVt, zero_init=False, B_idx=kv_state.index, wg_wait=0)
+        pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
     def consumer(self, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, sQ, sK, sV, sO,
                  tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world, timeout_ns,
                  n_tiles, n_kv, n_mb_per_rank, rows_per_rank, h_loc, seq, tidx, bidx, grid):
@@ -311,18 +366,25 @@ class FlashAttentionA2AForward:
             announce_ready(flag_ptrs, rank, world, e_next, tidx, bidx)
         ready_mask = Int32(0)
         bar_id = EPILOGUE_BARRIER + wg
+        if const_expr(self.overlap):
+            if wg == 0:  # the first warpgroup issues first
+                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WG_THREADS)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
             m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc)
-            softmax = OnlineSoftmax(scale_log2, cute.size(layout_utils.reshape_acc_to_mn(acc_o), mode=[0]))
+            softmax = OnlineSoftmax.create(scale_log2, cute.size(layout_utils.reshape_acc_to_mn(acc_o), mode=[0]))
             pipe_q.consumer_wait(q_state)
-            kv_state = self.kv_block(True, softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
-                                     tiled_mma_pv, pipe_k, pipe_v, kv_state)
-            for _ in cutlass.range(n_kv - 1, unroll=1):
-                kv_state = self.kv_block(False, softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+            if const_expr(self.overlap):
+                kv_state = self.q_loop_overlapped(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                                                  tiled_mma_pv, pipe_k, pipe_v, kv_state, n_kv, wg)
+            else:
+                kv_state = self.kv_block(True, softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                                          tiled_mma_pv, pipe_k, pipe_v, kv_state)
+                for _ in cutlass.range(n_kv - 1, unroll=1):
+                    kv_state = self.kv_block(False, softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                                             tiled_mma_pv, pipe_k, pipe_v, kv_state)
             pipe_q.consumer_release(q_state)
             q_state.advance()
             softmax.rescale(acc_o, softmax.finalize())
@@ -364,4 +426,4 @@ class FlashAttentionA2AForward:
             cute.arch.fence_acq_rel_sys()
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + self.num_mma_wg,
                               number_of_threads=WG_THREADS * self.num_mma_wg)
-            publish_done(flag_ptrs, counter, rank, world, e_next, Int32(grid), tidx)
+            publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), tidx)

@@ -1,8 +1,10 @@
 """The epoch-flag protocol shared by every kernel that stores into other ranks' symmetric buffers.
 
 Per rank one Int32 array ``flags`` of 2P words (symmetric memory), monotone epochs (never reset, so a
-CUDA-Graph replay never sees a stale value), the current epoch in a device word advanced only by the
-receiver's EpochWaitKernel:
+CUDA-Graph replay never sees a stale value), and the current epoch in a device word. A sender kernel reads
+it at its start (every CTA computes e = epoch + 1); the last of its CTAs to finish publishes e and advances
+the word (safe: every CTA of the launch has read it by then). The receiver's EpochWaitKernel then waits for
+every sender's data flag to reach the current epoch.
 - ``flags[P + j]`` (ready): rank j writes epoch e when its launch e starts, i.e. once its stream is done
   with the output of launch e-1. A sender waits for it (bounded) before its first store to j.
 - ``flags[s]`` (data): sender s writes epoch e after all of its CTAs' stores are performed.
@@ -44,13 +46,16 @@ def ensure_ready(flags: cute.Tensor, ready_mask: Int32, dest: Int32, world: Int3
 
 
 @cute.jit
-def publish_done(flag_ptrs: cute.Tensor, counter: cute.Tensor, rank: Int32, world: Int32, e_next: Int32,
-                 grid: Int32, tidx: Int32):
+def publish_done(flag_ptrs: cute.Tensor, counter: cute.Tensor, epoch: cute.Tensor, rank: Int32, world: Int32,
+                 e_next: Int32, grid: Int32, tidx: Int32):
     """After every thread of the CTA fenced its stores (fence.acq_rel.sys + CTA barrier): thread 0 arrives
-    on the launch's arrival counter; the last CTA publishes ``e_next`` in every receiver's data flag."""
+    on the launch's arrival counter; the last CTA publishes ``e_next`` in every receiver's data flag, then
+    advances the device epoch and resets the counter for the next launch on this stream."""
     if tidx == 0:
         arrived = cute.arch.atomic_add(fl.elem_ptr(counter, 0), Int32(1), sem="acq_rel", scope="gpu")
         if arrived == grid - 1:
             cute.arch.fence_acq_rel_sys()
             for j in cutlass.range(world, unroll=1):
                 cute.arch.atomic_max(_peer_flag(flag_ptrs, j, rank), e_next, sem="release", scope="sys")
+            epoch[0] = e_next
+            counter[0] = Int32(0)

@@ -98,42 +98,28 @@ class UlyssesScatterKernel:
         # publishes epoch e_next in every receiver's data flag for this sender.
         cute.arch.fence_acq_rel_sys()
         cute.arch.sync_threads()
-        publish_done(flag_ptrs, counter, rank, world, e_next, Int32(grid), Int32(tidx))
+        publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), Int32(tidx))
 
 
 class EpochWaitKernel:
-    """Receiver side of the epoch protocol, one small launch after each sender kernel.
-
-    - ``wait=True, advance=True`` (default): wait (bounded, acquire, system scope) until every sender
-      published epoch e+1, then advance the device epoch to e+1 and reset the senders' arrival counter;
-    - ``wait=False``: advance only, for back-to-back sender-side timing;
-    - ``advance=False``: wait for the current epoch e only (settles a series of advance-only launches).
-    """
-
-    def __init__(self, wait: bool = True, advance: bool = True):
-        self.wait, self.advance = wait, advance
+    """Receiver side of the epoch protocol: wait (bounded, acquire, system scope) until every sender's data
+    flag reached the current device epoch (the sender kernels on this stream advanced it). One launch after
+    any number of sender launches settles all of them, since epochs are monotone."""
 
     def fake_args(self):
-        small = [make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4) for _ in range(4)]
+        small = [make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4) for _ in range(3)]
         return (*small, Int32(1), Int64(1))
 
     @cute.jit
-    def __call__(self, flags: cute.Tensor, epoch: cute.Tensor, counter: cute.Tensor, errors: cute.Tensor,
-                 world: Int32, timeout_ns: Int64, stream: cuda.CUstream):
-        self.kernel(flags, epoch, counter, errors, world, timeout_ns).launch(
-            grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
+    def __call__(self, flags: cute.Tensor, epoch: cute.Tensor, errors: cute.Tensor, world: Int32,
+                 timeout_ns: Int64, stream: cuda.CUstream):
+        self.kernel(flags, epoch, errors, world, timeout_ns).launch(grid=(1, 1, 1), block=(32, 1, 1),
+                                                                    stream=stream)
 
     @cute.kernel
-    def kernel(self, flags: cute.Tensor, epoch: cute.Tensor, counter: cute.Tensor, errors: cute.Tensor,
-               world: Int32, timeout_ns: Int64):
+    def kernel(self, flags: cute.Tensor, epoch: cute.Tensor, errors: cute.Tensor, world: Int32,
+               timeout_ns: Int64):
         tidx, _, _ = cute.arch.thread_idx()
-        target = epoch[0] + (1 if cutlass.const_expr(self.advance) else 0)
-        if cutlass.const_expr(self.wait):
-            if tidx < world:
-                fl.wait_geq(flags, Int32(tidx), target, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT),
-                            Int32(tidx), "sys")
-        cute.arch.sync_threads()
-        if cutlass.const_expr(self.advance):
-            if tidx == 0:
-                epoch[0] = target
-                counter[0] = Int32(0)
+        if tidx < world:
+            fl.wait_geq(flags, Int32(tidx), epoch[0], timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), Int32(tidx),
+                        "sys")

@@ -6,7 +6,7 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/xstage-out}
 mkdir -p "$OUT"
-stages=${*:-"info tests calibrate a2a pack"}
+stages=${*:-"info tests calibrate fa dit pack"}
 for stage in $stages; do
   echo "=== $stage $(date -u +%T)"
   case $stage in
@@ -22,8 +22,8 @@ for stage in $stages; do
       timeout 300 python3 -m pytest -q -x -rs tests/test_flash_attention.py tests/test_flash_a2a_scatter.py 2>&1 | tee "$OUT/pytest_fa.log" ;;
     fa)
       timeout 420 python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/flash_a2a.json" 2>&1 | tee "$OUT/fa.log" ;;
-    a2a)
-      timeout 300 python3 -m benchmarks.a2a_only --out "$OUT/h200x2/a2a_only.json" 2>&1 | tee "$OUT/a2a.log" ;;
+    dit)
+      timeout 300 torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)
       tar czf "$OUT/h200x2.tgz" -C "$OUT" h200x2 && rm -rf "$OUT/h200x2" ;;
     *) echo "unknown stage $stage" ;;
