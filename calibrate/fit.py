@@ -162,8 +162,31 @@ def predict(profile: PlatformProfile, measurements) -> tuple[list[dict], dict]:
     return rows, errors
 
 
+POINT_KEYS = ("mode", "target", "gap_kind", "producers", "bytes_per_producer", "gap", "bursts", "sender", "receiver")
+
+
+def aggregate_repeats(measurements) -> list[dict]:
+    """One measurement per sweep point and GPU pair: the median of every metric over the point's repeats
+    (repeats of the whole sweep share everything in POINT_KEYS)."""
+    groups: dict = defaultdict(list)
+    for m in measurements:
+        groups[tuple(m.get(k) for k in POINT_KEYS)].append(m)
+    out = []
+    for runs in groups.values():
+        first = runs[0]
+        metrics = {}
+        for key, val in first["metrics"].items():
+            vals = [r["metrics"][key] for r in runs]
+            metrics[key] = float(np.median(vals)) if isinstance(val, float) else val
+        out.append({**{k: v for k, v in first.items() if k not in ("metrics", "repeat")},
+                    "repeats": len(runs), "metrics": metrics})
+    return out
+
+
 def fit_profile(measurements, sm_count: int, provenance: dict, anchors: dict | None = None,
                 min_rate_volume: float = 1 << 20) -> FitResult:
+    """Fit and predict on the per-point medians of the repeated sweep."""
+    measurements = aggregate_repeats(measurements)
     rate, used = fit_drain_rate(measurements, min_rate_volume)
     issue_points = fit_t_iss0(measurements, rate)
     capacity_points, cap_detail = fit_capacity(measurements, rate)

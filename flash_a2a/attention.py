@@ -57,6 +57,19 @@ def tile_coords(t, world, n_mb_per_rank, h_loc):
     return j * n_mb_per_rank + mb_in_rank, rest % h_loc, rest // h_loc, j
 
 
+@cute.jit
+def row_max_ilp(s_mn: cute.Tensor, r: cutlass.Constexpr[int]) -> Float32:
+    """Max of row ``r`` with four independent fmax chains (a single chain is latency-bound)."""
+    n = cute.size(s_mn, mode=[1])
+    m0, m1, m2, m3 = s_mn[r, 0], s_mn[r, 1], s_mn[r, 2], s_mn[r, 3]
+    for c in cutlass.range_constexpr(4, n, 4):
+        m0 = cute.arch.fmax(m0, s_mn[r, c])
+        m1 = cute.arch.fmax(m1, s_mn[r, c + 1])
+        m2 = cute.arch.fmax(m2, s_mn[r, c + 2])
+        m3 = cute.arch.fmax(m3, s_mn[r, c + 3])
+    return cute.arch.fmax(cute.arch.fmax(m0, m1), cute.arch.fmax(m2, m3))
+
+
 @dataclass
 class OnlineSoftmax(ParamsBase):
     """Row max / row sum of one MMA warpgroup's rows, each row spread over a quad of threads. A ParamsBase
@@ -78,7 +91,7 @@ class OnlineSoftmax(ParamsBase):
         row_scale = cute.make_fragment_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row = s_mn[r, None].load()
-            cur = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            cur = row_max_ilp(s_mn, r)
             if const_expr(not is_first):
                 cur = cute.arch.fmax(cur, self.row_max[r])
             cur = cute.arch.warp_reduction_max(cur, threads_in_group=4)
@@ -294,7 +307,7 @@ class FlashAttentionA2AForward:
 
     @cute.jit
     def q_loop_overlapped(self, softmax: OnlineSoftmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
-                          tiled_mma_pv, pipe_k, pipe_v, kv_state, n_kv, wg):
+                          tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_kv, wg):
         """The whole Q-loop of one tile with intra-warpgroup overlap and warpgroup ping-pong.
 
         Block n's S = Q Kₙᵀ is issued together with block n-1's O += P V; softmax of block n runs while the
@@ -328,6 +341,8 @@ class FlashAttentionA2AForward:
             pipe_v.consumer_release(kv_v)
             softmax.rescale(acc_o, row_scale)
             tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s).load().to(self.dtype))
+        # Q is no longer read: let the producer load the next tile's Q under the last PV and the epilogue.
+        pipe_q.consumer_release(q_state)
         # last block's PV
         pipe_v.consumer_wait(kv_state)
         sm90_utils.gemm_w_idx(tiled_mma_pv, acc_o, tOrP, tOrVt, zero_init=False, B_idx=kv_state.index, wg_wait=0)
@@ -378,14 +393,15 @@ class FlashAttentionA2AForward:
             pipe_q.consumer_wait(q_state)
             if const_expr(self.overlap):
                 kv_state = self.q_loop_overlapped(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
-                                                  tiled_mma_pv, pipe_k, pipe_v, kv_state, n_kv, wg)
+                                                  tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_kv,
+                                                  wg)
             else:
                 kv_state = self.kv_block(True, softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                                          tiled_mma_pv, pipe_k, pipe_v, kv_state)
                 for _ in cutlass.range(n_kv - 1, unroll=1):
                     kv_state = self.kv_block(False, softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                                              tiled_mma_pv, pipe_k, pipe_v, kv_state)
-            pipe_q.consumer_release(q_state)
+                pipe_q.consumer_release(q_state)
             q_state.advance()
             softmax.rescale(acc_o, softmax.finalize())
 

@@ -8,8 +8,8 @@ Columns (per M in SEQ_LENS and heads per rank in HEADS_PER_RANK; d = 128, b = 1,
 Sender-side boundary as in the paper (sec. 5.1): fused runs launch the attention kernel alone, back to
 back (it advances its own epoch), and remote visibility is settled once after the replays;
 ``fused_visible`` also waits for every peer's data each call (the remote-visible boundary).
-Time per call = median over replays of (graph replay time / calls per graph); the max over ranks is
-reported. Derived: E_res = T_fused - T_FA, hiding ratio H = 1 - E_res / (T_serial - T_FA) (eq. 21),
+Time per call = graph replay time / calls per graph, median over interleaved rounds (every round replays
+every column, in a rotating order); the max over ranks is reported. Derived: E_res = T_fused - T_FA, hiding ratio H = 1 - E_res / (T_serial - T_FA) (eq. 21),
 speedups over each serial, TFLOP/s, and the model's G* and M*_ub from the platform profile.
 """
 from __future__ import annotations
@@ -31,13 +31,14 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
     p.add_argument("--heads-per-rank", type=int, nargs="+", default=list(HEADS_PER_RANK))
     p.add_argument("--calls-per-graph", type=int, default=4)
-    p.add_argument("--replays", type=int, default=12)
+    p.add_argument("--replays", type=int, default=15, help="interleaved rounds")
     p.add_argument("--profile", default="h200x2", help="platform profile for G* and M*_ub")
     p.add_argument("--skip", nargs="*", default=[], help="columns to leave out")
 
 
-def _time_graph(fn, calls, replays, group):
-    """Median µs per call of ``fn`` captured ``calls`` times into one CUDA graph; max over ranks."""
+def _capture(fn, calls, group):
+    """A CUDA graph of ``calls`` back-to-back calls of ``fn`` (after one eager warm-up call), or None with
+    the reason when capture fails (the column is then timed eagerly)."""
     import torch
     import torch.distributed as dist
 
@@ -49,26 +50,38 @@ def _time_graph(fn, calls, replays, group):
         with torch.cuda.graph(g):
             for _ in range(calls):
                 fn()
-        how = "graph"
+        return g, "graph"
     except Exception as e:  # noqa: BLE001 - fall back to eager launches, and say so
-        g, how = None, f"eager ({type(e).__name__})"
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        dist.barrier(group=group)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        if g is not None:
-            g.replay()
-        else:
-            for _ in range(calls):
-                fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    t = torch.tensor(sorted(times)[len(times) // 2], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t), how
+        torch.cuda.synchronize()
+        return None, f"eager ({type(e).__name__})"
+
+
+def _measure(columns: dict, calls: int, replays: int, group) -> dict:
+    """µs per call for every column, timed in interleaved rounds (the order rotates every round, so clock
+    or thermal drift hits all variants alike); median over rounds, then the max over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    names = list(columns)
+    times = {n: [] for n in names}
+    for rnd in range(replays):
+        for i in range(len(names)):
+            name = names[(i + rnd) % len(names)]
+            fn, graph = columns[name]
+            dist.barrier(group=group)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            if graph is not None:
+                graph.replay()
+            else:
+                for _ in range(calls):
+                    fn()
+            b.record()
+            b.synchronize()
+            times[name].append(a.elapsed_time(b) * 1e3 / calls)
+    med = torch.tensor([sorted(times[n])[len(times[n]) // 2] for n in names], device="cuda", dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
+    return {n: float(med[i]) for i, n in enumerate(names)}
 
 
 def _worker(rank, world, init_file, args):
@@ -146,17 +159,20 @@ def _run(rank, world, args):
                 cols["fa4"] = lambda: base["fa4"](q, k, v)
                 cols["serial_fa4_nccl"] = lambda: nccl_post_a2a(base["fa4"](q, k, v))
             row = {"seq_len": s, "heads_per_rank": h_loc, "world": world, "head_dim": HEAD_DIM, "timing": {}}
+            captured = {}
             for name, fn in cols.items():
                 if name in args.skip:
                     continue
                 try:
-                    row[name + "_us"], row["timing"][name] = _time_graph(fn, args.calls_per_graph, args.replays,
-                                                                         None)
+                    graph, row["timing"][name] = _capture(fn, args.calls_per_graph, None)
+                    captured[name] = (fn, graph)
                 except Exception as e:  # noqa: BLE001 - one failing column must not hide the others
                     row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
-                if name.startswith("fused") and name != "fused_visible":
-                    fused.settle(q)  # remote visibility, once after the replays
-                    torch.cuda.synchronize()
+            for name, t in _measure(captured, args.calls_per_graph, args.replays, None).items():
+                row[name + "_us"] = t
+            fused.settle(q)  # remote visibility of the sender-side fused runs, once after all replays
+            torch.cuda.synchronize()
+            del captured
             fused.check()
             a2a.check()
             # correctness of the timed fused output against our local kernel + the NCCL All-to-All
@@ -197,8 +213,9 @@ def _run(rank, world, args):
     if rank == 0:
         out = {"provenance": provenance("xstage bench flash-a2a " + " ".join(sys.argv[1:])),
                "profile": args.profile, "fa4_error": base.get("fa4_error"), "rows": rows,
-               "method": "CUDA-Graph replay of calls_per_graph back-to-back calls, median of replays, max over "
-                         "ranks; sender-side boundary for fused/fused_cc (settled once after the replays)",
+               "method": "CUDA-Graph replay of calls_per_graph back-to-back calls; all columns replayed in "
+                         "interleaved rounds with a rotating order; median over rounds, max over ranks; "
+                         "sender-side boundary for fused/fused_cc (settled once after the replays)",
                "calls_per_graph": args.calls_per_graph, "replays": args.replays}
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -245,10 +262,18 @@ def run(args) -> int:
     import torch
     import torch.multiprocessing as mp
 
+    bad = [m for m in args.seq_lens if m <= 0 or m % 128]
+    if bad or any(h <= 0 for h in args.heads_per_rank):
+        print(f"xstage: error: sequence lengths must be positive multiples of 128 (got {bad or args.seq_lens}) "
+              "and heads per rank positive", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("xstage: error: bench flash-a2a needs 2 or more GPUs with peer access", file=sys.stderr)
         return 2
     world = torch.cuda.device_count()
+    if any(m % (128 * world) for m in args.seq_lens):
+        print(f"xstage: error: sequence lengths must be multiples of {128 * world} on {world} GPUs", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(world, os.path.join(tmp, "pg"), args), nprocs=world, join=True)
     return 0

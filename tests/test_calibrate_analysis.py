@@ -66,7 +66,9 @@ def _synthetic_measurements(rng, r, q, sm=132):
         return float(x * rng.normal(1.0, 0.01))
 
     def meas(mode, target, k, b, g, t_iss, gap_kind="fma"):
-        return {"mode": mode, "target": target, "gap_kind": gap_kind,
+        # top-level fields as bench.run_point writes them (Point fields + pair), metrics as RunMetrics
+        return {"mode": mode, "target": target, "gap_kind": gap_kind, "producers": k, "bytes_per_producer": b,
+                "gap": g, "bursts": 24, "sender": 0, "receiver": 1,
                 "metrics": {"producers": k, "bytes_per_producer": b, "volume_bytes": k * b, "gap_us": g,
                             "t_iss_us": t_iss, "t_period_us": t_iss + g}}
 
@@ -114,3 +116,19 @@ def test_bad_configurations_are_rejected(kwargs, match):
 def test_default_sweep_is_valid():
     for p in default_sweep(132):
         validate_point(p, 132, 512 << 20, 128)
+
+
+def test_repeats_are_aggregated_by_median():
+    from calibrate.fit import aggregate_repeats
+
+    rng = np.random.default_rng()
+    base = {"mode": "gap", "target": "remote", "gap_kind": "fma", "producers": 8, "bytes_per_producer": 4096,
+            "gap": 64, "bursts": 24, "sender": 0, "receiver": 1}
+    vals = rng.uniform(1.0, 2.0, size=3)
+    runs = [{**base, "repeat": i, "metrics": {"t_iss_us": float(v), "producers": 8}} for i, v in enumerate(vals)]
+    other = {**base, "sender": 1, "receiver": 0, "repeat": 0, "metrics": {"t_iss_us": 5.0, "producers": 8}}
+    agg = aggregate_repeats(runs + [other])
+    assert len(agg) == 2
+    mine = next(a for a in agg if a["sender"] == 0)
+    assert mine["repeats"] == 3 and mine["metrics"]["t_iss_us"] == pytest.approx(float(np.median(vals)))
+    assert mine["metrics"]["producers"] == 8

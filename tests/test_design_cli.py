@@ -112,7 +112,7 @@ def test_list_presets(capsys):
     (["design-test", "--profile", "no-such-profile", "--preset", "all"], "no built-in profile"),
     (["design-test", "--bogus"], "unrecognized arguments: --bogus"),
     (["bench", "megamoe"], "not implemented yet"),
-    (["bench", "flash-a2a"], "needs 2 or more GPUs"),
+    (["bench", "flash-a2a", "--seq-lens", "1000"], "multiples of 128"),
     ([], "required"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, fragment, capsys, tmp_path, monkeypatch):

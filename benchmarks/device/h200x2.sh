@@ -18,6 +18,8 @@ for stage in $stages; do
       timeout 420 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" ;;
     calibrate)
       timeout 420 python3 -m calibrate.cli calibrate --machine h200x2 --out "$OUT/h200x2" 2>&1 | tee "$OUT/calibrate.log" ;;
+    gputests)
+      timeout 420 python3 -m pytest -q -rs -m "gpu or multigpu" tests 2>&1 | tee "$OUT/pytest_gpu.log" ;;
     fatests)
       timeout 300 python3 -m pytest -q -x -rs tests/test_flash_attention.py tests/test_flash_a2a_scatter.py 2>&1 | tee "$OUT/pytest_fa.log" ;;
     fa)
