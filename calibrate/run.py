@@ -184,6 +184,13 @@ def run(args) -> int:
         except (OSError, json.JSONDecodeError) as e:
             print(f"xstage: error: cannot read {args.refit}: {e}", file=sys.stderr)
             return 2
+        from cute_kernels.runtime import git_commit
+
+        if raw.get("provenance"):  # the measurement's provenance stays; the refit is recorded beside it
+            import datetime
+
+            raw["provenance"]["refit"] = {"command": command, "git_commit": git_commit(),
+                                          "date": datetime.date.today().isoformat()}
         return finish(raw, args.out or os.path.dirname(os.path.abspath(args.refit)), command)
     import torch
 
