@@ -93,10 +93,14 @@ def _dummy(device) -> _Dummy:
     return _DUMMIES[device]
 
 
-def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: bool = True) -> torch.Tensor:
+def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: bool = True,
+                    tile_order_world: int = 1) -> torch.Tensor:
     """Non-causal attention softmax(q kᵀ · scale) v on one GPU, (b, S, H, d) in and out.
-    ``overlap=False`` selects the plain mainloop (no intra-warpgroup overlap, no ping-pong)."""
-    check_qkv(q, k, v)
+
+    ``overlap=False`` selects the plain mainloop (no intra-warpgroup overlap, no ping-pong).
+    ``tile_order_world=P`` walks the tiles in the fused kernel's order for P ranks (destination rank fastest)
+    without changing the result, so FA-only and fused runs can be compared on the same schedule."""
+    check_qkv(q, k, v, tile_order_world)
     b, s, h, d = q.shape
     if out is None:
         out = torch.empty_like(q)
@@ -106,7 +110,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     dm = _dummy(q.device)
     _kernel(q.dtype, d, "local", spans is not None, overlap)(
         q, k, v, out, dm.i64, dm.i64, dm.i32, dm.i32, dm.i32, dm.i32, spans if spans is not None else dm.spans,
-        _scale(softmax_scale, d), 0, 1, _grid(n_tiles, q.device), DEFAULT_TIMEOUT_NS)
+        _scale(softmax_scale, d), 0, tile_order_world, _grid(n_tiles, q.device), DEFAULT_TIMEOUT_NS)
     return out
 
 
@@ -183,7 +187,8 @@ def pre_attention_a2a(x: torch.Tensor, group=None) -> torch.Tensor:
 class UlyssesAttention(torch.nn.Module):
     """Drop-in for yunchang's ``UlyssesAttention``: forward(query, key, value, ...) with q/k/v in
     (b, S/P, H, d) returns (b, S/P, H, d). Pre-attention All-to-All through NCCL, then our fused
-    attention + post-attention All-to-All. The result is a fresh tensor (safe to keep)."""
+    attention + post-attention All-to-All, called through the ``xstage::fused_attention_a2a`` custom op so
+    torch.compile sees an opaque op. The result is a fresh tensor (safe to keep)."""
 
     def __init__(self, sequence_process_group=None, scatter_idx: int = 2, gather_idx: int = 1,
                  use_sync: bool = False, mode: str = "piggyback"):
@@ -192,7 +197,7 @@ class UlyssesAttention(torch.nn.Module):
             raise NotImplementedError("only scatter_idx=2, gather_idx=1 (the (b, s, h, d) layout) is supported")
         self.group = sequence_process_group or dist.group.WORLD
         self.mode = mode
-        self.fused = FusedAttentionA2A(self.group)
+        self.world = dist.get_world_size(self.group)
 
     def forward(self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *args):
@@ -203,10 +208,12 @@ class UlyssesAttention(torch.nn.Module):
         if bad:
             raise NotImplementedError(f"UlyssesAttention does not support {', '.join(bad)} "
                                       "(non-causal full attention without dropout only)")
-        world = self.fused.world
+        world = self.world
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.dim() != 4 or t.shape[2] % world:
                 raise ValueError(f"{name} must be (b, S/P, H, d) with H divisible by the group size {world}, "
                                  f"got {tuple(t.shape)}")
         q, k, v = (pre_attention_a2a(t.contiguous(), self.group) for t in (query, key, value))
-        return self.fused(q, k, v, softmax_scale, self.mode).clone()
+        from flash_a2a import ops  # noqa: F401 - registers torch.ops.xstage.*
+
+        return torch.ops.xstage.fused_attention_a2a(q, k, v, self.group.group_name, softmax_scale, self.mode)

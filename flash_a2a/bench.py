@@ -2,7 +2,8 @@
 (one process each), all variants side by side in one process per rank, timed by CUDA-Graph replay.
 
 Columns (per M in SEQ_LENS and heads per rank in HEADS_PER_RANK; d = 128, b = 1, bf16):
-  fa_ours, fa4 (flash-attn-4's SM90 forward), cudnn (torch SDPA, cuDNN backend);
+  fa_ours (in the fused kernel's tile order, so E_res compares one schedule), fa_ours_plain_order,
+  fa_ours_no_overlap, fa4 (flash-attn-4's SM90 forward), cudnn (torch SDPA, cuDNN backend);
   a2a_nccl (yunchang: permutes around all_to_all_single), a2a_symm (our device-initiated scatter);
   serial_fa4_nccl, serial_ours_nccl; fused (piggyback), fused_cc (completion-coupled), fused_visible.
 Sender-side boundary as in the paper (sec. 5.1): fused runs launch the attention kernel alone, back to
@@ -145,7 +146,8 @@ def _run(rank, world, args):
             o_ours = torch.empty_like(q)
             ref = flash_attention(q, k, v, out=o_ours).clone()
             cols = {
-                "fa_ours": lambda: flash_attention(q, k, v, out=o_ours),
+                "fa_ours": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world),
+                "fa_ours_plain_order": lambda: flash_attention(q, k, v, out=o_ours),
                 "fa_ours_no_overlap": lambda: flash_attention(q, k, v, out=o_ours, overlap=False),
                 "cudnn": lambda: base["cudnn"](q, k, v),
                 "a2a_nccl": lambda: nccl_post_a2a(o_ours),

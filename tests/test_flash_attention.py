@@ -77,6 +77,16 @@ def test_flash_attention_matches_fp64_reference(shape, dtype):
 
 
 @pytest.mark.gpu
+def test_tile_order_and_mainloop_variants_agree():
+    from flash_a2a.api import flash_attention
+
+    q, k, v = (torch.randn(1, 2048, 3, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
+    base = flash_attention(q, k, v)
+    assert torch.equal(flash_attention(q, k, v, tile_order_world=2), base), "tile order must not change O"
+    assert rel_err(flash_attention(q, k, v, overlap=False), reference_attention(q, k, v)) <= 1e-2
+
+
+@pytest.mark.gpu
 def test_flash_attention_strided_inputs_and_scale():
     from flash_a2a.api import flash_attention
 
