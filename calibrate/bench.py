@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem

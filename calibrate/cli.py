@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -135,25 +136,24 @@ def _add_design_test(subparsers) -> None:
 # --- calibrate and bench ----------------------------------------------------------------
 
 
-def _run_calibrate(args) -> int:
-    # Imported only when asked for: calibrate.run needs the GPU stack.
+def _forward(module: str, prog: str, description: str, args) -> int:
+    """Run a GPU subcommand whose options live in ``module`` (add_arguments, run); imported only when asked
+    for, since it needs the GPU stack."""
     try:
-        from calibrate.run import add_arguments, run
+        mod = importlib.import_module(module)
     except ImportError as exc:
-        raise UsageError(f"calibrate is unavailable: {exc}") from None
-    parser = _Parser(prog=f"{PROG} calibrate", description="measure T_iss0, R and Q on this machine")
-    add_arguments(parser)
-    return run(parser.parse_args(args.forwarded))
+        raise UsageError(f"{prog} is unavailable: {exc}") from None
+    parser = _Parser(prog=f"{PROG} {prog}", description=description)
+    mod.add_arguments(parser)
+    return mod.run(parser.parse_args(args.forwarded))
+
+
+def _run_calibrate(args) -> int:
+    return _forward("calibrate.run", "calibrate", "measure T_iss0, R and Q on this machine", args)
 
 
 def _run_bench_flash_a2a(args) -> int:
-    try:
-        from flash_a2a.bench import add_arguments, run
-    except ImportError as exc:
-        raise UsageError(f"bench flash-a2a is unavailable: {exc}") from None
-    parser = _Parser(prog=f"{PROG} bench flash-a2a", description="FlashAttention + Ulysses A2A benchmark (GPUs)")
-    add_arguments(parser)
-    return run(parser.parse_args(args.forwarded))
+    return _forward("flash_a2a.bench", "bench flash-a2a", "FlashAttention + Ulysses A2A benchmark (GPUs)", args)
 
 
 def _not_implemented(args) -> int:

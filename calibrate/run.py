@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from cute_kernels.dist import apply_safe_env, process_group
 
 
 def add_arguments(p) -> None:
@@ -51,14 +51,9 @@ def _progress(total: int, enabled: bool):
 
 
 def _worker(rank: int, world: int, cfg: dict, init_file: str, result_path: str) -> None:
-    import torch
     import torch.distributed as dist
 
-    os.environ.update(SAFE_ENV)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
+    with process_group(rank, world, init_file):
         from calibrate.anchors import measure_anchors
         from calibrate.bench import BurstBench
         from calibrate.sweep import default_sweep
@@ -104,30 +99,19 @@ def _worker(rank: int, world: int, cfg: dict, init_file: str, result_path: str) 
                            "sweep_seconds": time.time() - t_start, "sm_count": bench.sm_count,
                            "threads": cfg["threads"], "pairs": pairs}, f)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _local_only(cfg: dict) -> dict:
     """One GPU: the local-memory control alone (no remote path to calibrate)."""
-    import torch
-    import torch.distributed as dist
+    with tempfile.TemporaryDirectory() as tmp, process_group(0, 1, f"{tmp}/pg"):
+        from calibrate.bench import BurstBench
+        from calibrate.sweep import default_sweep
 
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ.update(SAFE_ENV)
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/pg", rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
-        try:
-            from calibrate.bench import BurstBench
-            from calibrate.sweep import default_sweep
-
-            bench = BurstBench(threads=cfg["threads"], buffer_bytes=cfg["buffer_mib"] << 20,
-                               timeout_s=cfg["timeout_s"])
-            out = [bench.run_point(p, 0, 0) for p in default_sweep(bench.sm_count, cfg["quick"])
-                   if p.target == "local"]
-            return {"measurements": out, "sm_count": bench.sm_count}
-        finally:
-            dist.destroy_process_group()
+        bench = BurstBench(threads=cfg["threads"], buffer_bytes=cfg["buffer_mib"] << 20,
+                           timeout_s=cfg["timeout_s"])
+        out = [bench.run_point(p, 0, 0) for p in default_sweep(bench.sm_count, cfg["quick"])
+               if p.target == "local"]
+        return {"measurements": out, "sm_count": bench.sm_count}
 
 
 def finish(raw: dict, out_dir: str, command: str) -> int:
@@ -198,7 +182,7 @@ def run(args) -> int:
         print("xstage: error: calibrate needs a CUDA GPU (and two with peer access for the remote path); "
               "use `xstage calibrate --refit RAW.json` or `xstage design-test` on this machine", file=sys.stderr)
         return 2
-    os.environ.update(SAFE_ENV)
+    apply_safe_env()
     world = torch.cuda.device_count()
     if args.repeats < 1:
         print("xstage: error: --repeats must be >= 1", file=sys.stderr)

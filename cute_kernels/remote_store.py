@@ -2,7 +2,6 @@
 memory: the store instruction is the same (``st.global.v4.b32``), only the address differs."""
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 
 STORE_BITS = 128

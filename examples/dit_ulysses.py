@@ -68,8 +68,9 @@ def main():
     p.add_argument("--dim", type=int, default=1536)
     p.add_argument("--heads", type=int, default=12)
     args = p.parse_args()
-    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-        os.environ.setdefault(k, v)
+    from cute_kernels.dist import apply_safe_env
+
+    apply_safe_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))

@@ -37,7 +37,6 @@ from cutlass.utils import LayoutEnum
 from quack import copy_utils, layout_utils, sm90_utils
 from quack.cute_dsl_utils import ParamsBase
 
-from cute_kernels import flags as fl
 from flash_a2a.epoch import announce_ready, ensure_ready, publish_done
 
 MODES = ("local", "piggyback", "completion_coupled")

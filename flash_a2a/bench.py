@@ -86,17 +86,10 @@ def _measure(columns: dict, calls: int, replays: int, group) -> dict:
 
 
 def _worker(rank, world, init_file, args):
-    import torch
-    import torch.distributed as dist
+    from cute_kernels.dist import process_group
 
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
+    with process_group(rank, world, init_file):
         _run(rank, world, args)
-    finally:
-        dist.destroy_process_group()
 
 
 def _baselines():

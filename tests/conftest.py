@@ -1,12 +1,11 @@
 """Shared pytest setup: GPU tests skip, with the reason, where no suitable GPU is present."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
-for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(_k, _v)
+from cute_kernels.dist import apply_safe_env
+
+apply_safe_env()  # never NVLink multicast, also in the processes the tests spawn
 
 
 def _gpu_state() -> tuple[int, str]:

@@ -3,7 +3,6 @@ for periodic and isolated bursts, remote and local, both directions (needs 2 sm_
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -20,13 +19,9 @@ POINTS = [
 
 
 def _worker(rank, world, init_file, out):
-    import torch
-    import torch.distributed as dist
+    from cute_kernels.dist import process_group
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
+    with process_group(rank, world, init_file):
         from calibrate.bench import BurstBench
 
         bench = BurstBench(buffer_bytes=64 << 20, timeout_s=2.0)
@@ -46,8 +41,6 @@ def _worker(rank, world, init_file, out):
             rejected = True
         with open(f"{out}.{rank}", "w") as f:
             json.dump({"results": results, "rejected": rejected}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.multigpu

@@ -32,3 +32,16 @@ def test_flag_wait_times_out_instead_of_hanging():
     k(flag, errors, 5, 50_000_000)
     torch.cuda.synchronize()
     check_error_word(errors, "flag already set")
+
+
+def test_process_group_helper_joins_and_leaves(tmp_path):
+    import os
+
+    import torch.distributed as dist
+
+    from cute_kernels.dist import SAFE_ENV, process_group
+
+    with process_group(0, 1, str(tmp_path / "pg"), backend="gloo") as group:
+        assert dist.is_initialized() and group.size() == 1
+        assert all(os.environ[k] == v for k, v in SAFE_ENV.items())
+    assert not dist.is_initialized()

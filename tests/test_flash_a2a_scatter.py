@@ -3,7 +3,6 @@ delivers bit-exact results, repeatedly and under CUDA-Graph replay (epochs never
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -31,11 +30,9 @@ def test_scatter_kernels_compile_for_sm90a(tmp_path):
 def _worker(rank, world, init_file, out):
     import torch
     import torch.distributed as dist
+    from cute_kernels.dist import process_group
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
+    with process_group(rank, world, init_file):
         from flash_a2a.a2a import SymmetricUlyssesA2A, nccl_post_a2a
         from flash_a2a.mapping import reference_post_a2a
 
@@ -89,8 +86,6 @@ def _worker(rank, world, init_file, out):
                 errs.append(str(e))
         with open(f"{out}.{rank}", "w") as f:
             json.dump({"checked": checked, "errors": errs}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.multigpu

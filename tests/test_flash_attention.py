@@ -99,11 +99,9 @@ def test_flash_attention_strided_inputs_and_scale():
 
 def _worker(rank, world, init_file, path):
     import torch.distributed as dist
+    from cute_kernels.dist import process_group
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
+    with process_group(rank, world, init_file):
         from flash_a2a.api import FusedAttentionA2A, UlyssesAttention, flash_attention
         from flash_a2a.mapping import reference_post_a2a
 
@@ -160,8 +158,6 @@ def _worker(rank, world, init_file, path):
                 errors.append(str(e))
         with open(f"{path}.{rank}", "w") as f:
             json.dump({"checked": checked, "ulysses_err": ulysses_err, "errors": errors}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.multigpu

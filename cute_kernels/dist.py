@@ -1,0 +1,35 @@
+"""One place for how our multi-GPU processes join a process group.
+
+NVLink multicast stays off everywhere (NCCL NVLS, torch symmetric-memory multicast, NVSHMEM NVLS): on the
+shared machines a program that uses it can take the host's GPUs out of service.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def apply_safe_env() -> None:
+    """Force the multicast switches off in this process (and the children it starts)."""
+    os.environ.update(SAFE_ENV)
+
+
+@contextmanager
+def process_group(rank: int, world: int, init_file: str, backend: str = "nccl"):
+    """Join a ``world``-rank group through a file rendezvous as ``rank`` (one GPU per rank for NCCL) and
+    leave it on exit."""
+    import torch
+    import torch.distributed as dist
+
+    apply_safe_env()
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
