@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from cute_kernels.dist import apply_safe_env, process_group
+from cute_kernels.dist import apply_safe_env, process_group, spawn_ranks
 
 
 def add_arguments(p) -> None:
@@ -50,7 +50,7 @@ def _progress(total: int, enabled: bool):
         return None
 
 
-def _worker(rank: int, world: int, cfg: dict, init_file: str, result_path: str) -> None:
+def _worker(rank: int, world: int, init_file: str, cfg: dict, result_path: str) -> None:
     import torch.distributed as dist
 
     with process_group(rank, world, init_file):
@@ -202,14 +202,12 @@ def run(args) -> int:
             json.dump(raw, f, indent=1)
         print("wrote", path)
         return 0
-    import torch.multiprocessing as mp
-
     from cute_kernels.runtime import provenance
 
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "raw.json")
         t0 = time.time()
-        mp.spawn(_worker, args=(world, cfg, os.path.join(tmp, "pg"), result_path), nprocs=world, join=True)
+        spawn_ranks(_worker, world, cfg, result_path)
         with open(result_path) as f:
             raw = json.load(f)
     raw["world_size"] = world

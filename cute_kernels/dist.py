@@ -33,3 +33,14 @@ def process_group(rank: int, world: int, init_file: str, backend: str = "nccl"):
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+def spawn_ranks(fn, world: int, *args) -> None:
+    """Run ``fn(rank, world, init_file, *args)`` in ``world`` processes that rendezvous through a file in a
+    temporary folder (join ``process_group(rank, world, init_file)`` inside ``fn``)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(fn, args=(world, os.path.join(tmp, "pg"), *args), nprocs=world, join=True)

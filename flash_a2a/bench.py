@@ -20,7 +20,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 
 SEQ_LENS = (8192, 16384, 32768, 49152, 65536)
 HEADS_PER_RANK = (3, 12)
@@ -255,7 +254,8 @@ def plot(result: dict, path: str) -> None:
 
 def run(args) -> int:
     import torch
-    import torch.multiprocessing as mp
+
+    from cute_kernels.dist import spawn_ranks
 
     bad = [m for m in args.seq_lens if m <= 0 or m % 128]
     if bad or any(h <= 0 for h in args.heads_per_rank):
@@ -269,8 +269,7 @@ def run(args) -> int:
     if any(m % (128 * world) for m in args.seq_lens):
         print(f"xstage: error: sequence lengths must be multiples of {128 * world} on {world} GPUs", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "pg"), args), nprocs=world, join=True)
+    spawn_ranks(_worker, world, args)
     return 0
 
 

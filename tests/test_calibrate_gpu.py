@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from ranks import run_ranks
 
 from calibrate.sweep import Point
 
@@ -46,13 +47,10 @@ def _worker(rank, world, init_file, out):
 @pytest.mark.multigpu
 def test_bursts_delivered_and_recorded(tmp_path):
     import torch
-    import torch.multiprocessing as mp
 
     if not torch.cuda.can_device_access_peer(0, 1):
         pytest.skip("GPUs 0 and 1 have no peer access")
-    out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(2, str(tmp_path / "pg"), out), nprocs=2, join=True)
-    res = [json.load(open(f"{out}.{r}")) for r in range(2)]
+    res = run_ranks(_worker, tmp_path)
     assert all(r["rejected"] for r in res)
     ms = res[0]["results"] + res[1]["results"]
     assert len(ms) == 2 * len(POINTS)

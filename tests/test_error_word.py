@@ -45,3 +45,22 @@ def test_process_group_helper_joins_and_leaves(tmp_path):
         assert dist.is_initialized() and group.size() == 1
         assert all(os.environ[k] == v for k, v in SAFE_ENV.items())
     assert not dist.is_initialized()
+
+
+def _gloo_rank(rank, world, init_file, out):
+    import torch
+    import torch.distributed as dist
+
+    from cute_kernels.dist import process_group
+
+    with process_group(rank, world, init_file, backend="gloo"):
+        t = torch.tensor([rank + 1])
+        dist.all_reduce(t)
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(f'{{"sum": {int(t)}}}')
+
+
+def test_spawned_ranks_meet_and_report(tmp_path):
+    from ranks import run_ranks
+
+    assert [r["sum"] for r in run_ranks(_gloo_rank, tmp_path, world=2)] == [3, 3]

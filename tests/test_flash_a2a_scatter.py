@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from ranks import run_ranks
 
 pytest.importorskip("cutlass")
 
@@ -90,11 +91,6 @@ def _worker(rank, world, init_file, out):
 
 @pytest.mark.multigpu
 def test_symmetric_a2a_matches_reference(tmp_path):
-    import torch.multiprocessing as mp
-
-    path = str(tmp_path / "res")
-    mp.spawn(_worker, args=(2, str(tmp_path / "pg"), path), nprocs=2, join=True)
-    for r in range(2):
-        res = json.load(open(f"{path}.{r}"))
+    for res in run_ranks(_worker, tmp_path):
         assert res["checked"] == 16
         assert len(res["errors"]) == 3, res["errors"]

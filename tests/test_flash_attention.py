@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from ranks import run_ranks
 import torch
 
 pytest.importorskip("cutlass")
@@ -162,12 +163,7 @@ def _worker(rank, world, init_file, path):
 
 @pytest.mark.multigpu
 def test_fused_matches_local_plus_reference_a2a(tmp_path):
-    import torch.multiprocessing as mp
-
-    path = str(tmp_path / "res")
-    mp.spawn(_worker, args=(2, str(tmp_path / "pg"), path), nprocs=2, join=True)
-    for r in range(2):
-        res = json.load(open(f"{path}.{r}"))
+    for res in run_ranks(_worker, tmp_path):
         assert res["checked"] == 15
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
