@@ -26,15 +26,15 @@ _KERNELS: dict = {}
 DEFAULT_TIMEOUT_NS = 2_000_000_000
 
 
-def _kernel(dtype, head_dim: int, mode: str, instrument: bool = False, overlap: bool = True):
-    key = (dtype, head_dim, mode, instrument, overlap)
+def _kernel(dtype, head_dim: int, mode: str, instrument: bool = False, overlap: bool = True, **variant):
+    key = (dtype, head_dim, mode, instrument, overlap, tuple(sorted(variant.items())))
     if key not in _KERNELS:
         from cutlass.runtime import make_fake_stream
 
         from cute_kernels.compile import compile_kernel
 
         k = FlashAttentionA2AForward(TORCH_TO_CUTLASS[dtype], head_dim, mode, instrument=instrument,
-                                     overlap=overlap)
+                                     overlap=overlap, **variant)
         _KERNELS[key] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
     return _KERNELS[key]
 
@@ -67,6 +67,18 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world: int = 1)
                          f"({world} rank(s) x {TILE_M}-row tiles); pad the sequence")
 
 
+def check_spans(spans, n_tiles: int, device) -> None:
+    """The instrumentation buffer: int64 (n_tiles x 2 MMA warpgroups, 4) on the kernel's device: per row the
+    remote-store span (globaltimer start, end; clock64 start, end)."""
+    if spans is None:
+        return
+    rows = n_tiles * (TILE_M // 64)
+    if (not isinstance(spans, torch.Tensor) or spans.dtype != torch.int64 or spans.device != device
+            or spans.dim() != 2 or spans.shape[0] < rows or spans.shape[1] != 4 or not spans.is_contiguous()):
+        raise ValueError(f"spans must be a contiguous int64 tensor of shape ({rows}, 4) on {device} "
+                         f"(one row per tile and MMA warpgroup); allocate torch.zeros({rows}, 4, dtype=torch.int64)")
+
+
 def _scale(softmax_scale, d):
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
 
@@ -94,12 +106,14 @@ def _dummy(device) -> _Dummy:
 
 
 def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: bool = True,
-                    tile_order_world: int = 1) -> torch.Tensor:
+                    tile_order_world: int = 1, **variant) -> torch.Tensor:
     """Non-causal attention softmax(q kᵀ · scale) v on one GPU, (b, S, H, d) in and out.
 
     ``overlap=False`` selects the plain mainloop (no intra-warpgroup overlap, no ping-pong).
     ``tile_order_world=P`` walks the tiles in the fused kernel's order for P ranks (destination rank fastest)
-    without changing the result, so FA-only and fused runs can be compared on the same schedule."""
+    without changing the result, so FA-only and fused runs can be compared on the same schedule.
+    ``variant`` passes mainloop knobs of ``FlashAttentionA2AForward`` (``lag_v``, ``sync_first_block``) for
+    side-by-side benchmarks."""
     check_qkv(q, k, v, tile_order_world)
     b, s, h, d = q.shape
     if out is None:
@@ -107,8 +121,9 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError("out must be a contiguous tensor of q's shape and dtype")
     n_tiles = (s // TILE_M) * h * b
+    check_spans(spans, n_tiles, q.device)
     dm = _dummy(q.device)
-    _kernel(q.dtype, d, "local", spans is not None, overlap)(
+    _kernel(q.dtype, d, "local", spans is not None, overlap, **variant)(
         q, k, v, out, dm.i64, dm.i64, dm.i32, dm.i32, dm.i32, dm.i32, spans if spans is not None else dm.spans,
         _scale(softmax_scale, d), 0, tile_order_world, _grid(n_tiles, q.device), DEFAULT_TIMEOUT_NS)
     return out
@@ -141,6 +156,7 @@ class FusedAttentionA2A:
         st = self.state(q)
         b, s, h_loc, d = q.shape
         n_tiles = (s // TILE_M) * h_loc * b
+        check_spans(spans, n_tiles, q.device)
         dm = _dummy(q.device)
         _kernel(q.dtype, d, mode, spans is not None)(
             q, k, v, q, st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,

@@ -18,9 +18,11 @@ aggregate of a fully aligned wave is unchanged (4.1 MiB on 132 SMs, above the H2
 prices it at ~4.5 µs, once, while the CTAs' boundaries are still aligned); every later burst has a whole
 Q-loop (≥ 100 µs ≫ G* = 11 µs) to drain in.
 
-Tile order: the destination rank varies fastest, then the row block within that rank, then the head,
-then the batch: concurrently running tiles spread their bursts evenly over all destination links, and
-neighbouring CTAs share a head, so K/V stay hot in L2.
+Tile order (flash_a2a.mapping.tile_coords): the destination rank varies fastest, then the row block within
+that rank, then the head, then the batch, so concurrently running tiles spread their bursts over every link
+and a wave's remote share is (P-1)/P of it, and neighbouring CTAs share a head (K/V stay hot in L2); the
+last round of the persistent walk holds local tiles only, because a remote burst issued there has no
+compute left to drain under.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from quack import copy_utils, layout_utils, sm90_utils
 from quack.cute_dsl_utils import ParamsBase
 
 from flash_a2a.epoch import announce_ready, ensure_ready, publish_done
+from flash_a2a.mapping import tile_coords  # noqa: F401 - the kernel's tile walk, shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
 TILE_M = 128
@@ -47,15 +50,6 @@ TILE_N = 128
 WG_THREADS = 128
 EPILOGUE_BARRIER = 1  # named barriers 1, 2: one per MMA warpgroup (0 is __syncthreads); 3: both
 SCHEDULER_BARRIER = 4  # 4, 5: warpgroup ping-pong on GEMM issue
-
-
-def tile_coords(t, world, n_mb_per_rank, h_loc):
-    """Tile index -> (m_block, local head, batch, destination rank); destination rank fastest."""
-    j = t % world
-    rest = t // world
-    mb_in_rank = rest % n_mb_per_rank
-    rest = rest // n_mb_per_rank
-    return j * n_mb_per_rank + mb_in_rank, rest % h_loc, rest // h_loc, j
 
 
 @cute.jit
@@ -126,7 +120,8 @@ class OnlineSoftmax(ParamsBase):
 
 class FlashAttentionA2AForward:
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", num_stages: int = 2,
-                 instrument: bool = False, overlap: bool = True):
+                 instrument: bool = False, overlap: bool = True, lag_v: bool = True,
+                 sync_first_block: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -138,6 +133,10 @@ class FlashAttentionA2AForward:
         # overlap: issue block n's QKᵀ with block n-1's PV inside a warpgroup, and ping-pong GEMM issue between
         # the two MMA warpgroups so one's softmax runs under the other's GEMMs (as FA3 does).
         self.overlap = overlap
+        # lag_v: producer order K[n+1] before V[n] (the overlapped consumer's order; only with overlap).
+        # sync_first_block: also ping-pong the first (S-only) GEMM of a tile; FA3/FA4 leave it free.
+        self.lag_v = lag_v and overlap
+        self.sync_first_block = sync_first_block
         self.num_mma_wg = TILE_M // 64
         self.num_threads = WG_THREADS * (self.num_mma_wg + 1)
         self.vec = 128 // dtype.width  # elements per 128-bit store
@@ -254,7 +253,7 @@ class FlashAttentionA2AForward:
             cute.arch.setmaxregister_decrease(24)
             if warp_idx == 0:
                 self.producer(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, n_tiles,
-                              n_kv, n_mb_per_rank, h_loc, world, bidx, grid)
+                              n_kv, n_mb_per_rank, h_loc, rank, world, bidx, grid)
         else:
             cute.arch.setmaxregister_increase(240)
             self.consumer(mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, sQ, sK, sV, sO,
@@ -264,27 +263,46 @@ class FlashAttentionA2AForward:
 
     @cute.jit
     def producer(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, n_tiles, n_kv,
-                 n_mb_per_rank, h_loc, world, bidx, grid):
+                 n_mb_per_rank, h_loc, rank, world, bidx, grid):
         d = self.head_dim
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
-            m_block, h, bb, _ = tile_coords(t, world, n_mb_per_rank, h_loc)
+            m_block, h, bb, _ = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid))
             gQ = cute.local_tile(mQ[None, None, h, bb], (TILE_M, d), (m_block, 0))
             load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ, single_stage=True)
             gK = cute.local_tile(mK[None, None, h, bb], (TILE_N, d), (None, 0))
             gV = cute.local_tile(mV[None, None, h, bb], (TILE_N, d), (None, 0))
             load_k, _, _ = copy_utils.tma_get_copy_fn(tma_k, 0, cute.make_layout(1), gK, sK)
             load_v, _, _ = copy_utils.tma_get_copy_fn(tma_v, 0, cute.make_layout(1), gV, sV)
-            pipe_q.producer_acquire(q_state)
-            load_q(tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            q_state.advance()
-            for n in cutlass.range(n_kv, unroll=1):
+            if const_expr(self.lag_v):
+                # The overlapped consumer reads K[n] before V[n-1]: load in that order (K[n+1] ahead of V[n]),
+                # so a K load never queues behind a V slot that is still being read.
                 pipe_k.producer_acquire(kv_state)
-                load_k(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                load_k(src_idx=0, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                pipe_q.producer_acquire(q_state)
+                load_q(tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                q_state.advance()
+                for n in cutlass.range(1, n_kv, unroll=1):
+                    kv_prev = kv_state.clone()
+                    kv_state.advance()
+                    pipe_k.producer_acquire(kv_state)
+                    load_k(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    pipe_v.producer_acquire(kv_prev)
+                    load_v(src_idx=n - 1, dst_idx=kv_prev.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_prev))
                 pipe_v.producer_acquire(kv_state)
-                load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                load_v(src_idx=n_kv - 1, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                 kv_state.advance()
+            else:
+                pipe_q.producer_acquire(q_state)
+                load_q(tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                q_state.advance()
+                for n in cutlass.range(n_kv, unroll=1):
+                    pipe_k.producer_acquire(kv_state)
+                    load_k(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    pipe_v.producer_acquire(kv_state)
+                    load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                    kv_state.advance()
         pipe_v.producer_tail(kv_state)
 
     @cute.jit
@@ -316,10 +334,12 @@ class FlashAttentionA2AForward:
         other = 1 - wg
         # first block: S only
         pipe_k.consumer_wait(kv_state)
-        cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
+        if const_expr(self.sync_first_block):
+            cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
         acc_s0 = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
                                            wg_wait=-1)
-        cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + other, number_of_threads=2 * WG_THREADS)
+        if const_expr(self.sync_first_block):
+            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + other, number_of_threads=2 * WG_THREADS)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(kv_state)
         softmax.update(acc_s0, True)
@@ -389,7 +409,7 @@ class FlashAttentionA2AForward:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
-            m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc)
+            m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid))
             softmax = OnlineSoftmax.create(scale_log2, cute.size(layout_utils.reshape_acc_to_mn(acc_o), mode=[0]))
             pipe_q.consumer_wait(q_state)
             if const_expr(self.overlap):

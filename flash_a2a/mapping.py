@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import torch
 
+try:  # the DSL's min/max take Python ints and DSL integers alike
+    from cutlass import max as cutlass_max, min as cutlass_min
+except ImportError:  # CPU installs without the DSL still get the host-side index math
+    cutlass_min, cutlass_max = min, max
+
 
 def check_ulysses_shapes(seq_len: int, heads: int, world: int, tile_m: int = 1) -> None:
     """ValueError naming the fix when (S, H, P) cannot be split the Ulysses way."""
@@ -39,3 +44,43 @@ def reference_post_a2a(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     rows = s // world
     return [torch.cat([outputs[r][:, j * rows:(j + 1) * rows] for r in range(world)], dim=2)
             for j in range(world)]
+
+
+def local_tail(n_tiles, world, grid):
+    """How many of this rank's own (local-destination) tiles the tile order keeps for the last round.
+
+    A persistent grid of ``grid`` CTAs walks tile t in round t // grid; the last round ends the kernel, so
+    a remote burst issued there has no compute left to drain under (it shows up whole as E_res), while a
+    local tile has no X-stage at all. The order therefore ends on local tiles: as many as the last round
+    holds, at most the n_tiles / world local ones; none when world == 1. Works on ints and DSL Int32."""
+    groups = n_tiles // world
+    last_round = n_tiles - (n_tiles - 1) // grid * grid
+    return cutlass_min(groups, last_round) * cutlass_min(world - 1, 1)
+
+
+def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid):
+    """Tile index t of the fused kernel's walk -> (m_block, local head, batch, destination rank).
+
+    A group is one (row block within a rank's slice, head, batch); it has one tile per destination rank.
+    Three stretches, branch-free so the same code runs in the kernel and on the host:
+    1. groups [0, G - k): destination rank fastest, so concurrently running tiles spread their bursts
+       over every link and a wave's remote share is (P-1)/P of it (at P = 2, 2 MiB of a 4 MiB wave: under
+       the H200's Q = 2.4 MiB, so the aligned wave boundary drains without backpressure);
+    2. groups [G - k, G): their P - 1 remote tiles, destinations rotating from rank + 1;
+    3. groups [G - k, G): their local tile, the last round (``local_tail``).
+    Works on Python ints and on DSL Int32."""
+    groups = n_tiles // world
+    k = local_tail(n_tiles, world, grid)
+    end1 = (groups - k) * world
+    end2 = n_tiles - k
+    remote = cutlass_max(world - 1, 1)
+    in1 = cutlass_min(1, cutlass_max(0, end1 - t))
+    in3 = cutlass_min(1, cutlass_max(0, t - end2 + 1))
+    in2 = 1 - in1 - in3
+    i2 = cutlass_max(0, cutlass_min(t, end2 - 1) - end1)
+    i3 = cutlass_max(0, t - end2)
+    group = in1 * (t // world) + in2 * (groups - k + i2 // remote) + in3 * (groups - k + i3)
+    dest = in1 * (t % world) + in2 * ((rank + 1 + i2 % remote) % world) + in3 * rank
+    mb_in_rank = group % n_mb_per_rank
+    rest = group // n_mb_per_rank
+    return dest * n_mb_per_rank + mb_in_rank, rest % h_loc, rest // h_loc, dest

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from flash_a2a.mapping import check_ulysses_shapes, destination, reference_post_a2a
+from flash_a2a.mapping import local_tail, tile_coords, check_ulysses_shapes, destination, reference_post_a2a
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
@@ -47,10 +47,10 @@ def test_bad_shapes_name_the_fix(s, h, p, tile, match):
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_fused_kernel_tile_walk_covers_every_tile_and_lands_like_the_reference(world):
-    """The fused kernel's tile order (flash_a2a.attention.tile_coords) and its epilogue index math, run on
+    """The fused kernel's tile order (flash_a2a.mapping.tile_coords) and its epilogue index math, run on
     CPU tensors: every (m_block, head, batch) tile is visited once and lands where the A2A puts it."""
     pytest.importorskip("cutlass")
-    from flash_a2a.attention import TILE_M, tile_coords
+    from flash_a2a.attention import TILE_M
 
     rng = random.Random()
     b, h_loc, d = rng.randint(1, 2), rng.randint(1, 3), 4
@@ -60,10 +60,11 @@ def test_fused_kernel_tile_walk_covers_every_tile_and_lands_like_the_reference(w
     outs = [torch.randn(b, s, h_loc, d) for _ in range(world)]
     got = [torch.full((b, rows_per_rank, h_loc * world, d), float("nan")) for _ in range(world)]
     n_tiles = n_mb_per_rank * world * h_loc * b
+    grid = rng.randint(1, n_tiles + 2)
     for rank in range(world):
         seen = set()
         for t in range(n_tiles):
-            m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc)
+            m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid)
             seen.add((m_block, h, bb))
             row0 = m_block * TILE_M
             assert dest == destination(row0, h, rank, s, h_loc * world, world)[0]
@@ -72,3 +73,23 @@ def test_fused_kernel_tile_walk_covers_every_tile_and_lands_like_the_reference(w
         assert len(seen) == n_tiles
     for j, ref in enumerate(reference_post_a2a(outs)):
         assert torch.equal(got[j], ref)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_tile_order_ends_on_local_tiles_and_interleaves_before(world):
+    """Random shapes and grids: the walk's last round holds local tiles only (as many as there are), and
+    before the tail every run of ``world`` consecutive tiles has one tile per destination."""
+    rng = random.Random()
+    for _ in range(200):
+        n_mb, h_loc, b = rng.randint(1, 8), rng.randint(1, 4), rng.randint(1, 2)
+        n_tiles = n_mb * world * h_loc * b
+        grid, rank = rng.randint(1, 2 * n_tiles), rng.randrange(world)
+        dests = [tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid)[3] for t in range(n_tiles)]
+        last_round = (n_tiles - 1) // grid * grid
+        k = local_tail(n_tiles, world, grid)
+        assert k == min(n_tiles // world, n_tiles - last_round)
+        assert all(d == rank for d in dests[n_tiles - k:])
+        assert dests.count(rank) == n_tiles // world
+        end1 = (n_tiles // world - k) * world
+        for g in range(0, end1, world):
+            assert sorted(dests[g:g + world]) == list(range(world))

@@ -84,6 +84,8 @@ def test_tile_order_and_mainloop_variants_agree():
     q, k, v = (torch.randn(1, 2048, 3, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
     base = flash_attention(q, k, v)
     assert torch.equal(flash_attention(q, k, v, tile_order_world=2), base), "tile order must not change O"
+    for variant in ({"lag_v": False}, {"sync_first_block": True}):
+        assert torch.equal(flash_attention(q, k, v, **variant), base), variant
     assert rel_err(flash_attention(q, k, v, overlap=False), reference_attention(q, k, v)) <= 1e-2
 
 
@@ -142,6 +144,17 @@ def _worker(rank, world, init_file, path):
             assert torch.equal(graph_out.cpu(), reference_post_a2a([x.cpu() for x in gathered])[rank])
             checked += 1
             dist.barrier()
+        # Per-tile instrumentation: one span row per (tile, MMA warpgroup), every one written and ordered.
+        q, k, v = (torch.randn(1, 1024, 2, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
+        n_rows = (1024 // 128) * 2 * 2
+        spans = torch.zeros(n_rows, 4, dtype=torch.int64, device="cuda")
+        spanned = fused.launch(q, k, v, spans=spans).clone()
+        plain = fused.launch(q, k, v).clone()
+        torch.cuda.synchronize()
+        fused.check()
+        sp = spans.cpu()
+        spans_ok = bool(torch.equal(spanned, plain) and (sp[:, 0] > 0).all() and (sp[:, 1] >= sp[:, 0]).all()
+                        and (sp[:, 3] >= sp[:, 2]).all() and (sp[:, 2] > 0).all())
         # UlyssesAttention on (b, S/P, H, d) against attention of the full sequence on one GPU.
         torch.manual_seed(1234)  # same full inputs on every rank
         full = [torch.randn(1, 2048, 4, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]
@@ -151,6 +164,10 @@ def _worker(rank, world, init_file, path):
         torch.cuda.synchronize()
         ref = reference_attention(*full)[:, rank * rows:(rank + 1) * rows]
         ulysses_err = rel_err(out, ref)
+        # torch.compile sees the custom op as one opaque node and gives the same result.
+        compiled = torch.compile(UlyssesAttention(), backend="aot_eager")(*mine)
+        torch.cuda.synchronize()
+        compiled_equal = bool(torch.equal(compiled, out))
         errors = []
         for kwargs in ({"causal": True}, {"dropout_p": 0.1}):
             try:
@@ -158,7 +175,8 @@ def _worker(rank, world, init_file, path):
             except NotImplementedError as e:
                 errors.append(str(e))
         with open(f"{path}.{rank}", "w") as f:
-            json.dump({"checked": checked, "ulysses_err": ulysses_err, "errors": errors}, f)
+            json.dump({"checked": checked, "ulysses_err": ulysses_err, "errors": errors, "spans_ok": spans_ok,
+                       "compiled_equal": compiled_equal}, f)
 
 
 @pytest.mark.multigpu
@@ -167,3 +185,5 @@ def test_fused_matches_local_plus_reference_a2a(tmp_path):
         assert res["checked"] == 15
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
+        assert res["spans_ok"], "instrumented launch must match and fill every span row in order"
+        assert res["compiled_equal"], "torch.compile(UlyssesAttention) must match eager"

@@ -19,13 +19,14 @@ for stage in $stages; do
     calibrate)
       timeout 420 python3 -m calibrate.cli calibrate --machine h200x2 --out "$OUT/h200x2" 2>&1 | tee "$OUT/calibrate.log" ;;
     gputests)
-      timeout 420 python3 -m pytest -q -rs -m "gpu or multigpu" tests 2>&1 | tee "$OUT/pytest_gpu.log" ;;
+      timeout ${GPUTESTS_TIMEOUT:-420} python3 -m pytest -q -rs -m "gpu or multigpu" tests 2>&1 | tee "$OUT/pytest_gpu.log" ;;
     fatests)
       timeout 300 python3 -m pytest -q -x -rs tests/test_flash_attention.py tests/test_flash_a2a_scatter.py 2>&1 | tee "$OUT/pytest_fa.log" ;;
     fa)
-      timeout 420 python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/flash_a2a.json" 2>&1 | tee "$OUT/fa.log" ;;
+      # FA_ARGS: e.g. "--replays 9 --skip fa_ours_no_overlap"; the JSON is rewritten after every row
+      timeout ${FA_TIMEOUT:-420} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/flash_a2a.json" ${FA_ARGS:-} 2>&1 | tee "$OUT/fa.log" ;;
     dit)
-      timeout 300 torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
+      timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)
       tar czf "$OUT/h200x2.tgz" -C "$OUT" h200x2 && rm -rf "$OUT/h200x2" ;;
     *) echo "unknown stage $stage" ;;
