@@ -83,7 +83,11 @@ def _scale(softmax_scale, d):
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
 
 
-def _grid(n_tiles: int, device) -> int:
+def _grid(n_tiles: int, device, persistent: bool = True) -> int:
+    """Persistent: one CTA per SM (the kernel walks its tiles); otherwise one CTA per tile, scheduled by the
+    hardware as SMs free up (FA4's SM90 launch)."""
+    if not persistent:
+        return max(1, n_tiles)
     return max(1, min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count))
 
 
@@ -106,14 +110,14 @@ def _dummy(device) -> _Dummy:
 
 
 def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: bool = True,
-                    tile_order_world: int = 1, **variant) -> torch.Tensor:
+                    tile_order_world: int = 1, persistent: bool = True, **variant) -> torch.Tensor:
     """Non-causal attention softmax(q kᵀ · scale) v on one GPU, (b, S, H, d) in and out.
 
     ``overlap=False`` selects the plain mainloop (no intra-warpgroup overlap, no ping-pong).
     ``tile_order_world=P`` walks the tiles in the fused kernel's order for P ranks (destination rank fastest)
     without changing the result, so FA-only and fused runs can be compared on the same schedule.
     ``variant`` passes mainloop knobs of ``FlashAttentionA2AForward`` (``lag_v``, ``sync_first_block``) for
-    side-by-side benchmarks."""
+    side-by-side benchmarks; ``persistent=False`` launches one CTA per tile instead of one per SM."""
     check_qkv(q, k, v, tile_order_world)
     b, s, h, d = q.shape
     if out is None:
@@ -125,7 +129,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     dm = _dummy(q.device)
     _kernel(q.dtype, d, "local", spans is not None, overlap, **variant)(
         q, k, v, out, dm.i64, dm.i64, dm.i32, dm.i32, dm.i32, dm.i32, spans if spans is not None else dm.spans,
-        _scale(softmax_scale, d), 0, tile_order_world, _grid(n_tiles, q.device), DEFAULT_TIMEOUT_NS)
+        _scale(softmax_scale, d), 0, tile_order_world, _grid(n_tiles, q.device, persistent), DEFAULT_TIMEOUT_NS)
     return out
 
 

@@ -120,8 +120,8 @@ class OnlineSoftmax(ParamsBase):
 
 class FlashAttentionA2AForward:
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", num_stages: int = 2,
-                 instrument: bool = False, overlap: bool = True, lag_v: bool = True,
-                 sync_first_block: bool = False):
+                 instrument: bool = False, overlap: bool = True, lag_v: bool = False,
+                 sync_first_block: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -133,8 +133,10 @@ class FlashAttentionA2AForward:
         # overlap: issue block n's QKᵀ with block n-1's PV inside a warpgroup, and ping-pong GEMM issue between
         # the two MMA warpgroups so one's softmax runs under the other's GEMMs (as FA3 does).
         self.overlap = overlap
-        # lag_v: producer order K[n+1] before V[n] (the overlapped consumer's order; only with overlap).
-        # sync_first_block: also ping-pong the first (S-only) GEMM of a tile; FA3/FA4 leave it free.
+        # lag_v: producer order K[n+1] before V[n] (the overlapped consumer's order, as FA3/FA4 load; only with
+        # overlap). sync_first_block: also ping-pong the first (S-only) GEMM of a tile (FA3/FA4 leave it free).
+        # The defaults (K[n], V[n] paired; first GEMM ping-ponged) measured 0.5-1% faster on H200 at M = 8K
+        # side by side (benchmarks/results/h200x2/flash_a2a.json, column fa_ours_lag_v).
         self.lag_v = lag_v and overlap
         self.sync_first_block = sync_first_block
         self.num_mma_wg = TILE_M // 64

@@ -3,8 +3,8 @@
 
 Columns (per M in SEQ_LENS and heads per rank in HEADS_PER_RANK; d = 128, b = 1, bf16):
   fa_ours (in the fused kernel's tile order, so E_res compares one schedule), fa_ours_plain_order,
-  fa_ours_no_overlap, fa_ours_kv_paired (the earlier producer order: K[n], V[n] paired, first GEMM
-  ping-ponged), fa4 (flash-attn-4's SM90 forward), cudnn (torch SDPA, cuDNN backend);
+  fa_ours_no_overlap, fa_ours_lag_v (FA3/FA4's producer order, K[n+1] before V[n], first GEMM not
+  ping-ponged), fa_ours_nonpersistent (one CTA per tile), fa4 (flash-attn-4's SM90 forward), cudnn (torch SDPA, cuDNN backend);
   a2a_nccl (yunchang: permutes around all_to_all_single), a2a_symm (our device-initiated scatter);
   serial_fa4_nccl, serial_ours_nccl; fused (piggyback), fused_cc (completion-coupled), fused_visible.
 Sender-side boundary as in the paper (sec. 5.1): fused runs launch the attention kernel alone, back to
@@ -60,16 +60,22 @@ def _capture(fn, calls, group):
 
 
 def _measure(columns: dict, calls: int, replays: int, group) -> dict:
-    """µs per call for every column, timed in interleaved rounds (the order rotates every round, so clock
+    """µs per call for every column, timed in interleaved rounds (a fresh random order every round, so clock
     or thermal drift hits all variants alike); median over rounds, then the max over ranks."""
     import torch
     import torch.distributed as dist
 
+    import random
+
     names = list(columns)
     times = {n: [] for n in names}
     for rnd in range(replays):
-        for i in range(len(names)):
-            name = names[(i + rnd) % len(names)]
+        # A fresh order every round, the same on every rank (the columns hold collectives): a fixed or merely
+        # rotated order gives each column a fixed predecessor, and what ran just before (an All-to-All that
+        # lets the clocks recover, or a long attention that heats the chip) biases long-M times by a few %.
+        order = names[:]
+        random.Random(rnd).shuffle(order)
+        for name in order:
             fn, graph = columns[name]
             dist.barrier(group=group)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -157,8 +163,10 @@ def _run(rank, world, args):
                 "fa_ours": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world),
                 "fa_ours_plain_order": lambda: flash_attention(q, k, v, out=o_ours),
                 "fa_ours_no_overlap": lambda: flash_attention(q, k, v, out=o_ours, overlap=False),
-                "fa_ours_kv_paired": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
-                                                             lag_v=False, sync_first_block=True),
+                "fa_ours_lag_v": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
+                                                         lag_v=True, sync_first_block=False),
+                "fa_ours_nonpersistent": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
+                                                                 persistent=False),
                 "cudnn": lambda: base["cudnn"](q, k, v),
                 "a2a_nccl": lambda: nccl_post_a2a(o_ours),
                 "a2a_symm": lambda: a2a(o_ours),
@@ -206,6 +214,8 @@ def _run(rank, world, args):
                 for f in ("fused", "fused_cc", "fused_visible"):
                     if f + "_us" in row:
                         row[f + "_E_res_us"] = _paired_excess(times, f, "fa_ours", None)
+                row["fused_cc_minus_fused_us"] = _paired_excess(times, "fused_cc", "fused", None)
+                row["tiles_per_cta"] = n_tiles / grid
                 for ser in ("serial_ours_nccl", "serial_fa4_nccl"):
                     if ser + "_us" in row and "fused_us" in row:
                         row["speedup_fused_over_" + ser] = row[ser + "_us"] / row["fused_us"]
@@ -221,6 +231,7 @@ def _run(rank, world, args):
                 row["model_G_star_us"] = float(model.recovery_gap(v_burst, t0, profile.drain_rate))
                 row["model_M_star_ub"] = float(model.m_star_ub(v_burst, t0, profile.drain_rate,
                                                                row["sigma_us_per_kv_tile"], 128))
+            row["round_times_us"] = {n: [round(x, 3) for x in ts] for n, ts in times.items()}  # this rank's
             rows.append(row)
             if rank == 0:
                 _write(rows, base, args)  # after every row: a run cut short still leaves its rows
@@ -234,6 +245,7 @@ def _write(rows, base, args) -> None:
 
     out = {"provenance": provenance("xstage bench flash-a2a " + " ".join(sys.argv[1:])),
            "profile": args.profile, "fa4_error": base.get("fa4_error"), "rows": rows,
+           "slope_test": slope_test(rows),
            "method": "CUDA-Graph replay of calls_per_graph back-to-back calls; all columns replayed in "
                      "interleaved rounds with a rotating order; median over rounds, max over ranks; E_res and "
                      "the serial excess are medians of within-round differences; sender-side boundary for "
@@ -243,6 +255,37 @@ def _write(rows, base, args) -> None:
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     plot(out, os.path.splitext(args.out)[0] + ".png")
+
+
+def _fit_line(xs, ys):
+    """Least-squares slope and intercept, with the slope's standard error (None below 3 points)."""
+    n = len(xs)
+    if n < 3:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    icpt = my - slope * mx
+    resid = sum((y - icpt - slope * x) ** 2 for x, y in zip(xs, ys))
+    return {"slope": slope, "intercept": icpt, "slope_stderr": math.sqrt(resid / (n - 2) / sxx)}
+
+
+def slope_test(rows) -> dict:
+    """Section 5.3's slope test, per head load: regress the completion-coupled extra cost (T_cc − T_fused,
+    paired within rounds) and the piggybacked residual E_res on the tiles each CTA issues (the number of
+    per-tile completion waits). Completion coupling pays a round trip per tile, so its slope is positive;
+    piggybacking pays none, so E_res does not grow with it."""
+    out = {}
+    for h_loc in sorted({r["heads_per_rank"] for r in rows}):
+        sel = [r for r in rows if r["heads_per_rank"] == h_loc and r.get("tiles_per_cta")
+               and r.get("fused_cc_minus_fused_us") is not None and r.get("fused_E_res_us") is not None]
+        xs = [r["tiles_per_cta"] for r in sel]
+        out[str(h_loc)] = {"tiles_per_cta": xs,
+                           "cc_minus_fused_us": _fit_line(xs, [r["fused_cc_minus_fused_us"] for r in sel]),
+                           "fused_E_res_us": _fit_line(xs, [r["fused_E_res_us"] for r in sel])}
+    return out
 
 
 def plot(result: dict, path: str) -> None:
