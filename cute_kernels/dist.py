@@ -31,8 +31,16 @@ def process_group(rank: int, world: int, init_file: str, backend: str = "nccl"):
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
     try:
         yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # A rank that fails must exit at once so the spawner can stop the others; destroying the group here
+        # would wait on peers that are blocked in a collective for this rank.
+        import sys
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 def spawn_ranks(fn, world: int, *args) -> None:

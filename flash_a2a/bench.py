@@ -231,13 +231,11 @@ def _run(rank, world, args):
                 row["model_G_star_us"] = float(model.recovery_gap(v_burst, t0, profile.drain_rate))
                 row["model_M_star_ub"] = float(model.m_star_ub(v_burst, t0, profile.drain_rate,
                                                                row["sigma_us_per_kv_tile"], 128))
-            row["round_times_us"] = {n: [round(x, 3) for x in ts] for n, ts in times.items()}  # this rank's
+            row["round_times"] = {n: [round(x, 3) for x in ts] for n, ts in times.items()}  # µs, this rank's
             rows.append(row)
             if rank == 0:
                 _write(rows, base, args)  # after every row: a run cut short still leaves its rows
-                keys = [k for k in row if k.endswith("_us") and not k.endswith("E_res_us")]
-                print(f"H/P={h_loc:2d} M={s:6d} " + " ".join(f"{k[:-3]}={row[k]:.1f}" for k in keys)
-                      + f" exact={row['fused_exact_vs_serial']}", flush=True)
+                print(summary_line(row), flush=True)
 
 
 def _write(rows, base, args) -> None:
@@ -255,6 +253,14 @@ def _write(rows, base, args) -> None:
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     plot(out, os.path.splitext(args.out)[0] + ".png")
+
+
+def summary_line(row: dict) -> str:
+    """One console line per shape: every timed column (µs) and the exactness check."""
+    cols = " ".join(f"{k[:-3]}={v:.1f}" for k, v in row.items()
+                    if k.endswith("_us") and isinstance(v, (int, float)) and not k.endswith("E_res_us"))
+    return (f"H/P={row['heads_per_rank']:2d} M={row['seq_len']:6d} {cols} "
+            f"E_res={row.get('fused_E_res_us')} H={row.get('hiding_ratio')} exact={row.get('fused_exact_vs_serial')}")
 
 
 def _fit_line(xs, ys):

@@ -1,0 +1,46 @@
+"""CPU checks of the flash-a2a benchmark's reporting: the console line, the slope test and the figure,
+run on a result shaped like a real run (random numbers, so nothing here is a recorded result)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from flash_a2a import bench
+
+
+def _fake_rows(slope_cc: float):
+    rng = random.Random()
+    rows = []
+    for h_loc in (3, 12):
+        for s in (8192, 16384, 32768, 65536):
+            tiles = (s // 128) * h_loc / 132
+            t_fa = rng.uniform(100, 1e4)
+            row = {"seq_len": s, "heads_per_rank": h_loc, "world": 2, "head_dim": 128, "timing": {},
+                   "fa_ours_us": t_fa, "fused_us": t_fa + 3, "fused_E_res_us": rng.uniform(-2, 2),
+                   "fused_cc_E_res_us": 5.0, "fused_cc_minus_fused_us": slope_cc * tiles + rng.uniform(-0.1, 0.1),
+                   "serial_ours_nccl_excess_us": 50.0, "hiding_ratio": 0.95, "tiles_per_cta": tiles,
+                   "fused_exact_vs_serial": True, "model_M_star_ub": 800.0,
+                   "round_times": {"fa_ours": [t_fa] * 3}}
+            rows.append(row)
+    return rows
+
+
+def test_summary_line_skips_non_numeric_fields():
+    row = _fake_rows(1.0)[0]
+    line = bench.summary_line(row)
+    assert "fa_ours=" in line and "round_times" not in line and "exact=True" in line
+
+
+def test_slope_test_recovers_the_slope_and_plot_writes(tmp_path):
+    slope = random.uniform(0.5, 3.0)
+    rows = _fake_rows(slope)
+    result = bench.slope_test(rows)
+    for h in ("3", "12"):
+        assert result[h]["cc_minus_fused_us"]["slope"] == pytest.approx(slope, abs=0.05)
+        assert abs(result[h]["fused_E_res_us"]["slope"]) < 2.0
+    out = {"rows": rows, "slope_test": result}
+    json.dumps(out)
+    bench.plot(out, str(tmp_path / "f.png"))
+    assert (tmp_path / "f.png").stat().st_size > 10_000
