@@ -3,6 +3,12 @@ for the local control); the receiver waits on the completion flag (bounded) and 
 
 Every rank of the group walks the same list of (sender, receiver, point) in lock step, so the code is
 the same for any world size; ranks not in the pair only take part in the per-point agreement.
+
+All-to-all injection (``run_all_peers``): every rank sends at once, its producers spread over all P - 1
+peers (producer k to the k mod (P-1)-th peer after itself); sender r writes into region r of each
+receiver's buffer and adds to the receiver's flag word 1 + r, and every receiver verifies every sender.
+The ranks start together to within a host barrier (tens of µs); bursts are aligned within a rank, which is
+what the sender-side quantities (T_iss, the delivered period, the isolated knee) need.
 """
 from __future__ import annotations
 
@@ -28,8 +34,9 @@ def _compile(kernel):
     return compile_kernel(kernel, *kernel.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-def expected_mismatches(words: torch.Tensor, tag: int, p: Point) -> int:
-    """Count wrong 32-bit words in the region a run wrote: (tag, burst, producer, vector index) each."""
+def expected_mismatches(words: torch.Tensor, tag: int, p: Point, producers=None) -> int:
+    """Count wrong 32-bit words in the region a run wrote: (tag, burst, producer, vector index) each;
+    ``producers`` (a list of producer indices) restricts the check to the producers that wrote here."""
     vec = p.bytes_per_producer // 16
     v = words[: p.bursts * p.producers * vec * WORDS_PER_VEC].view(p.bursts, p.producers, vec, WORDS_PER_VEC)
     dev = words.device
@@ -37,7 +44,20 @@ def expected_mismatches(words: torch.Tensor, tag: int, p: Point) -> int:
     bad |= v[..., 1] != torch.arange(p.bursts, device=dev, dtype=torch.int32)[:, None, None]
     bad |= v[..., 2] != torch.arange(p.producers, device=dev, dtype=torch.int32)[None, :, None]
     bad |= v[..., 3] != torch.arange(vec, device=dev, dtype=torch.int32)[None, None, :]
+    if producers is not None:
+        bad = bad[:, torch.as_tensor(producers, device=dev, dtype=torch.long)]
     return int(bad.sum())
+
+
+def peer_order(rank: int, world: int) -> list[int]:
+    """The peers of ``rank`` in the order producers are dealt to them: rank + 1, rank + 2, ... (mod P)."""
+    return [(rank + 1 + i) % world for i in range(world - 1)]
+
+
+def producers_to(sender: int, receiver: int, producers: int, world: int) -> list[int]:
+    """Producer indices of ``sender`` that write to ``receiver`` under all-to-all injection."""
+    peers = peer_order(sender, world)
+    return [k for k in range(producers) if peers[k % len(peers)] == receiver]
 
 
 class BurstBench:
@@ -70,6 +90,7 @@ class BurstBench:
         self.flag_wait = _compile(FlagWaitKernel())
         self.flag_expected = 0
         self.local_flag_expected = 0
+        self.a2a_expected = [0] * self.world  # per sender: producers that have signalled flag word 1 + sender
         seed = torch.tensor([random.randrange(1, 1 << 20) if self.rank == 0 else 0], device=self.device)
         dist.broadcast(seed, 0, group=self.group)
         self.tag = int(seed.item()) << 8
@@ -86,6 +107,80 @@ class BurstBench:
             self.kernels[key] = _compile(BurstGapKernel(self.threads, gap_kind, isolated))
         return self.kernels[key]
 
+    def _ptrs(self, *addresses: int) -> torch.Tensor:
+        return torch.tensor(addresses, dtype=torch.int64, device=self.device)
+
+    def _launch(self, p: Point, dst_ptrs, done_ptrs, tag: int):
+        self.sync.zero_()
+        self.errors.zero_()
+        rec = self.records[: p.producers * (p.bursts + 1)]
+        rec.zero_()
+        vec_per_thread = p.bytes_per_producer // (16 * self.threads)
+        self.kernel(p.mode == "isolated", p.gap_kind)(
+            dst_ptrs, done_ptrs, rec, self.sync, self.errors, self.sink, p.producers, vec_per_thread, p.bursts,
+            p.bursts, p.gap, tag, self.timeout_ns)
+        return rec
+
+    def _metrics(self, p: Point, rec) -> dict:
+        check_error_word(self.errors, f"burst kernel {p}")
+        host = rec.cpu().numpy()
+        n = p.producers * p.bursts
+        records = host[:n].reshape(p.producers, p.bursts, len(RECORD_FIELDS))
+        return run_metrics(records, p.bytes_per_producer, isolated=p.mode == "isolated",
+                           delivered=host[n:, :2]).to_dict()
+
+    def run_all_peers(self, p: Point) -> dict:
+        """All-to-all injection: every rank sends ``p`` at once, its producers dealt over all its peers.
+        Returns this rank's measurement (as a sender); raises on any rank's failure."""
+        if p.target != "all_peers":
+            raise ValueError(f"run_all_peers takes target='all_peers' points, got {p.target!r}")
+        if self.world < 2:
+            raise ValueError("all-to-all injection needs two or more ranks")
+        region = (self.buffer_bytes // self.world) // 16 * 16
+        validate_point(p, self.sm_count, region, self.threads)
+        if p.bursts > self.max_bursts:
+            raise ValueError(f"bursts={p.bursts} exceeds max_bursts={self.max_bursts}")
+        self.tag += 1
+        tag = self.tag
+        peers = peer_order(self.rank, self.world)
+        dst = self._ptrs(*(self.buf_hdl.buffer_ptrs[j] + self.rank * region for j in peers))
+        done = self._ptrs(*(self.flag_hdl.buffer_ptrs[j] + 4 * (1 + self.rank) for j in peers))
+        dist.barrier(group=self.group)
+        rec = self._launch(p, dst, done, tag)
+        failure, result = "", None
+        torch.cuda.synchronize()
+        try:
+            result = {**p.to_dict(), "sender": self.rank, "receiver": -1, "peers": peers, "tag": tag,
+                      "metrics": self._metrics(p, rec)}
+        except (XStageKernelError, RecordError) as e:
+            failure = str(e)
+        # Receive: wait for every sender's producers that target this rank, then verify their words.
+        for sender in range(self.world):
+            if sender == self.rank or failure:
+                continue
+            mine = producers_to(sender, self.rank, p.producers, self.world)
+            if not mine:
+                continue
+            self.a2a_expected[sender] += len(mine)
+            errors = new_error_word(self.device)
+            self.flag_wait(self.flag[1 + sender:], errors, self.a2a_expected[sender], self.timeout_ns)
+            torch.cuda.synchronize()
+            try:
+                check_error_word(errors, f"all-to-all completion flag from rank {sender}")
+                words = self.buf[sender * region // 4:(sender + 1) * region // 4]
+                bad = expected_mismatches(words, tag, p, mine)
+                if bad:
+                    failure = f"receiver {self.rank} found {bad} wrong words from sender {sender}"
+            except XStageKernelError as e:
+                failure = str(e)
+        status = torch.tensor([1 if failure else 0], device=self.device)
+        dist.all_reduce(status, group=self.group)
+        if failure:
+            raise RuntimeError(f"{p} all-to-all on rank {self.rank}: {failure}")
+        if int(status.item()):
+            raise RuntimeError(f"{p} all-to-all failed on another rank")
+        return result
+
     def run_point(self, p: Point, sender: int, receiver: int) -> dict | None:
         """Run one point; returns the sender's measurement dict (None on other ranks)."""
         validate_point(p, self.sm_count, self.buffer_bytes, self.threads)
@@ -98,29 +193,15 @@ class BurstBench:
         failure = ""
         if self.rank == sender:
             if remote:
-                n_words = self.buffer_bytes // 4
-                dst = self.buf_hdl.get_buffer(receiver, (n_words // 4, 4), torch.int32)
-                done = self.flag_hdl.get_buffer(receiver, (FLAG_WORDS,), torch.int32)
+                dst = self._ptrs(self.buf_hdl.buffer_ptrs[receiver])
+                done = self._ptrs(self.flag_hdl.buffer_ptrs[receiver])
             else:
-                dst, done = self.local.view(-1, 4), self.local_flag
-            self.sync.zero_()
-            self.errors.zero_()
-            rec = self.records[: p.producers * (p.bursts + 1)]
-            rec.zero_()
-            vec_per_thread = p.bytes_per_producer // (16 * self.threads)
-            self.kernel(p.mode == "isolated", p.gap_kind)(
-                dst, rec, self.sync, done, self.errors, self.sink, p.producers, vec_per_thread, p.bursts,
-                p.bursts, p.gap, tag, self.timeout_ns)
+                dst, done = self._ptrs(self.local.data_ptr()), self._ptrs(self.local_flag.data_ptr())
+            rec = self._launch(p, dst, done, tag)
             torch.cuda.synchronize()
             try:
-                check_error_word(self.errors, f"burst kernel {p}")
-                host = rec.cpu().numpy()
-                n = p.producers * p.bursts
-                records = host[:n].reshape(p.producers, p.bursts, len(RECORD_FIELDS))
-                metrics = run_metrics(records, p.bytes_per_producer, isolated=p.mode == "isolated",
-                                      delivered=host[n:, :2])
                 result = {**p.to_dict(), "sender": sender, "receiver": receiver if remote else sender,
-                          "tag": tag, "metrics": metrics.to_dict()}
+                          "tag": tag, "metrics": self._metrics(p, rec)}
             except (XStageKernelError, RecordError) as e:
                 failure = str(e)
             if not remote:

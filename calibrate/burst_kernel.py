@@ -1,8 +1,10 @@
 """BurstGapKernel: the X-Stage remote-store microbenchmark (paper sec. 3.1) in CuTe DSL.
 
 K producer CTAs (one per SM: the dynamic shared memory request keeps a second CTA off the SM) each write
-B bytes per burst with 128-bit stores into ``dst`` (a peer GPU's symmetric buffer, or local HBM for the
-control), then run a producer-side gap that issues no stores:
+B bytes per burst with 128-bit stores into a destination buffer, then run a producer-side gap that issues no
+stores. Destinations come as a pointer table (``dst_ptrs``, with completion flags ``done_ptrs``): producer
+k writes into entry k mod n. One entry is a pair (a peer GPU's symmetric buffer) or the local-HBM control;
+P - 1 entries are all-to-all injection, the producers spread over every peer at once.
 
 - ``gap_kind="fma"``: a register-resident FMA loop of ``gap`` iterations (it occupies the SM as a mainloop
   does; its duration is measured, not assumed);
@@ -50,33 +52,39 @@ class BurstGapKernel:
         return STORE_BYTES
 
     def fake_args(self):
-        n_vec = cute.sym_int64()
-        dst = make_fake_tensor(Int32, (n_vec, WORDS_PER_VEC), stride=(WORDS_PER_VEC, 1), assumed_align=16)
+        dst_ptrs = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
+        done_ptrs = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
         records = make_fake_tensor(Int64, (cute.sym_int64(), len(RECORD_FIELDS)),
                                    stride=(len(RECORD_FIELDS), 1), assumed_align=16)
         sync = make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4)
-        done = make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4)
         errors = make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4)
         sink = make_fake_tensor(Float32, (cute.sym_int64(),), stride=(1,), assumed_align=4)
         scalars = (Int32(1), Int32(1), Int32(1), Int32(1), Int32(0), Int32(0), Int64(1))
-        return (dst, records, sync, done, errors, sink) + scalars
+        return (dst_ptrs, done_ptrs, records, sync, errors, sink) + scalars
 
     @cute.jit
-    def __call__(self, dst: cute.Tensor, records: cute.Tensor, sync: cute.Tensor, done: cute.Tensor,
+    def __call__(self, dst_ptrs: cute.Tensor, done_ptrs: cute.Tensor, records: cute.Tensor, sync: cute.Tensor,
                  errors: cute.Tensor, sink: cute.Tensor, producers: Int32, vec_per_thread: Int32,
                  n_bursts: Int32, slots: Int32, gap: Int32, run_tag: Int32, timeout_ns: Int64,
                  stream: cuda.CUstream):
-        self.kernel(dst, records, sync, done, errors, sink, vec_per_thread, n_bursts, slots, gap, run_tag,
-                    timeout_ns).launch(grid=(producers, 1, 1), block=(self.threads, 1, 1),
+        self.kernel(dst_ptrs, done_ptrs, records, sync, errors, sink, vec_per_thread, n_bursts, slots, gap,
+                    run_tag, timeout_ns).launch(grid=(producers, 1, 1), block=(self.threads, 1, 1),
                                        smem=self.smem_bytes, stream=stream)
 
     @cute.kernel
-    def kernel(self, dst: cute.Tensor, records: cute.Tensor, sync: cute.Tensor, done: cute.Tensor,
+    def kernel(self, dst_ptrs: cute.Tensor, done_ptrs: cute.Tensor, records: cute.Tensor, sync: cute.Tensor,
                errors: cute.Tensor, sink: cute.Tensor, vec_per_thread: Int32, n_bursts: Int32, slots: Int32,
                gap: Int32, run_tag: Int32, timeout_ns: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         producers, _, _ = cute.arch.grid_dim()
+        # This producer's destination: entry bidx mod n of the table (consecutive producers, different peers).
+        dest = Int32(bidx) % Int32(cute.size(dst_ptrs, mode=[0]))
+        n_vec_region = vec_per_thread * self.threads * Int32(producers) * slots
+        dst = cute.make_tensor(cute.make_ptr(Int32, dst_ptrs[dest], cute.AddressSpace.gmem, assumed_align=16),
+                               cute.make_layout((n_vec_region, WORDS_PER_VEC), stride=(WORDS_PER_VEC, 1)))
+        done = cute.make_tensor(cute.make_ptr(Int32, done_ptrs[dest], cute.AddressSpace.gmem, assumed_align=4),
+                                cute.make_layout(1))
         atom = vec128_atom(Int32)
         vals = cute.make_rmem_tensor(cute.make_layout((WORDS_PER_VEC,)), Int32)
         acc = cute.make_rmem_tensor(cute.make_layout((FMA_CHAINS,)), Float32)

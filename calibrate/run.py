@@ -27,6 +27,8 @@ def add_arguments(p) -> None:
     p.add_argument("--buffer-mib", type=int, default=512, help="symmetric destination buffer per GPU (MiB)")
     p.add_argument("--timeout-s", type=float, default=2.0, help="bound on every in-kernel wait")
     p.add_argument("--no-anchors", action="store_true", help="skip the bandwidth anchors")
+    p.add_argument("--no-all-to-all", action="store_true",
+                   help="skip the all-to-all injection sweep (every rank sending to all its peers at once)")
     p.add_argument("--refit", metavar="RAW_JSON", default=None,
                    help="refit and replot saved raw measurements (no GPU needed)")
 
@@ -56,7 +58,7 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, result_path: str) 
     with process_group(rank, world, init_file):
         from calibrate.anchors import measure_anchors
         from calibrate.bench import BurstBench
-        from calibrate.sweep import default_sweep
+        from calibrate.sweep import all_peers_sweep, default_sweep
 
         bench = BurstBench(threads=cfg["threads"], buffer_bytes=cfg["buffer_mib"] << 20,
                            timeout_s=cfg["timeout_s"])
@@ -64,7 +66,8 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, result_path: str) 
         pairs = [(s, d) for s in range(world) for d in range(world) if s != d]
         if cfg["pairs"] == "first":
             pairs = pairs[:1]
-        bar = _progress(cfg["repeats"] * len(pairs) * len(pts), rank == 0)
+        a2a_pts = [] if cfg.get("no_all_to_all") else all_peers_sweep(pts)
+        bar = _progress(cfg["repeats"] * (len(pairs) * len(pts) + len(a2a_pts)), rank == 0)
         t_start = time.time()
         measurements, failures = [], []
         # Warm-up: compile every variant and run it once, outside the measurement.
@@ -74,6 +77,11 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, result_path: str) 
             warmups.setdefault((p.mode == "isolated", p.gap_kind, p.target), p)
         for p in warmups.values():
             bench.run_point(p, pairs[0][0], pairs[0][1])
+        a2a_warmups = {}
+        for p in a2a_pts:
+            a2a_warmups.setdefault((p.mode == "isolated", p.gap_kind), p)
+        for p in a2a_warmups.values():
+            bench.run_all_peers(p)
         for repeat in range(cfg["repeats"]):
             for s, d in pairs:
                 bench.run_point(pts[0], s, d)  # first touch of this pair's mapping stays out of the data
@@ -86,6 +94,13 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, result_path: str) 
                         failures.append(str(e))
                     if bar is not None:
                         bar.update(1)
+            for p in a2a_pts:  # all-to-all injection: every rank sends to all its peers at once
+                try:
+                    measurements.append({**bench.run_all_peers(p), "repeat": repeat})
+                except RuntimeError as e:
+                    failures.append(str(e))
+                if bar is not None:
+                    bar.update(1)
         if bar is not None:
             bar.close()
         anchors = {} if cfg["no_anchors"] else measure_anchors(bench, *pairs[0])
@@ -126,10 +141,29 @@ def finish(raw: dict, out_dir: str, command: str) -> int:
     prov.setdefault("world_size", raw.get("world_size", 2))
     prov.setdefault("link", "NVLink (peer mapping through torch symmetric memory)")
     raw["provenance"] = prov
-    fit = fit_profile(raw["measurements"], raw["sm_count"], prov, raw.get("anchors"))
+    pairwise = [m for m in raw["measurements"] if m["target"] != "all_peers"]
+    all_peers = [m for m in raw["measurements"] if m["target"] == "all_peers"]
+    fit = fit_profile(pairwise, raw["sm_count"], prov, raw.get("anchors"))
+    a2a_fit = None
+    if all_peers:
+        # The same model fitted on all-to-all injection: each sender's producers spread over its P - 1 peers
+        # while every other rank does the same (the local control is shared).
+        relabeled = [{**m, "target": "remote"} for m in all_peers] + [m for m in pairwise if m["target"] == "local"]
+        a2a_prov = {**prov, "injection": "all-to-all (every rank to all its peers at once)"}
+        try:
+            a2a_fit = fit_profile(relabeled, raw["sm_count"], a2a_prov, raw.get("anchors"))
+        except ValueError as e:
+            print(f"all-to-all injection: no fit ({e})", file=sys.stderr)
+    world = int(prov.get("world_size", 2))
     raw["predictions"] = fit.predictions
     raw["rate_points"] = fit.rate_points
     os.makedirs(out_dir, exist_ok=True)
+    if a2a_fit is not None:
+        a = a2a_fit.profile
+        summary = all_to_all_summary(fit.profile, a, world)
+        fit.profile.fit_quality["all_to_all"] = summary
+        raw["all_to_all_predictions"] = a2a_fit.predictions
+        save_profile(a, os.path.join(out_dir, "calibration_all_to_all.json"))
     save_profile(fit.profile, os.path.join(out_dir, "calibration.json"))
     with open(os.path.join(out_dir, "calibration_raw.json"), "w") as f:
         json.dump(raw, f, indent=1)
@@ -146,6 +180,11 @@ def finish(raw: dict, out_dir: str, command: str) -> int:
         if e:
             print(f"no-refit prediction error {name}: median {100 * e['median']:.1f}%, "
                   f"max {100 * e['max']:.1f}% over {e['n']} runs")
+    if a2a_fit is not None:
+        sm = fit.profile.fit_quality["all_to_all"]
+        print(f"all-to-all injection (P = {world}): R = {sm['drain_rate_GBps_per_sender']:.1f} GB/s per sender, "
+              f"{sm['drain_rate_GBps_per_peer']:.1f} per peer link ({sm['rate_vs_pairwise']:.2f}x one pair); "
+              f"Q(K={fit.profile.sm_count}) = {sm['capacity_MiB_all_sms']:.2f} MiB")
     anchors = raw.get("anchors") or {}
     best = max((v for key, v in anchors.items() if key.endswith("unidirectional_GBps")), default=None)
     if best:
@@ -157,6 +196,18 @@ def finish(raw: dict, out_dir: str, command: str) -> int:
     print("wrote", out_dir, "(calibration.json, calibration_raw.json,", ", ".join(os.path.basename(x) for x in figs) + ")")
     _ = k
     return 1 if raw.get("failures") else 0
+
+
+def all_to_all_summary(pair, a2a, world: int) -> dict:
+    """How the drain rate divides over peers: the all-to-all profile beside the single-pair one."""
+    k = pair.sm_count
+    return {"world_size": world,
+            "drain_rate_GBps_per_sender": a2a.drain_rate_GBps,
+            "drain_rate_GBps_per_peer": a2a.drain_rate_GBps / max(world - 1, 1),
+            "rate_vs_pairwise": a2a.drain_rate_GBps / pair.drain_rate_GBps,
+            "t_iss0_us_all_sms_32KiB": float(a2a.t_iss0(k, k * 32768)),
+            "capacity_MiB_all_sms": float(a2a.capacity(k)) / (1 << 20),
+            "profile": "calibration_all_to_all.json"}
 
 
 def run(args) -> int:
@@ -188,7 +239,8 @@ def run(args) -> int:
         print("xstage: error: --repeats must be >= 1", file=sys.stderr)
         return 2
     cfg = {"repeats": args.repeats, "threads": args.threads, "buffer_mib": args.buffer_mib, "timeout_s": args.timeout_s,
-           "quick": args.quick, "pairs": args.pairs, "no_anchors": args.no_anchors}
+           "quick": args.quick, "pairs": args.pairs, "no_anchors": args.no_anchors,
+           "no_all_to_all": args.no_all_to_all}
     out_dir = args.out or os.path.join("benchmarks", "results", args.machine or _machine_name())
     peers = world >= 2 and all(torch.cuda.can_device_access_peer(i, j)
                                for i in range(world) for j in range(world) if i != j)

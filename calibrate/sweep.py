@@ -13,7 +13,7 @@ STORE_BYTES = 16  # one 128-bit store
 @dataclass(frozen=True)
 class Point:
     mode: str            # "rate" (zero gap, periodic), "gap" (periodic with a gap), "isolated"
-    target: str          # "remote" (peer mapping) or "local" (local HBM control)
+    target: str          # "remote" (one peer), "all_peers" (all-to-all injection) or "local" (HBM control)
     producers: int       # K
     bytes_per_producer: int  # B
     gap_kind: str = "fma"    # "fma" (iterations) or "spin" (ns)
@@ -33,9 +33,12 @@ class Point:
         return asdict(self)
 
 
+TARGETS = ("remote", "all_peers", "local")
+
+
 def validate_point(p: Point, sm_count: int, buffer_bytes: int, threads: int) -> None:
     """Reject a configuration before launch, naming the fix."""
-    if p.mode not in ("rate", "gap", "isolated") or p.target not in ("remote", "local"):
+    if p.mode not in ("rate", "gap", "isolated") or p.target not in TARGETS:
         raise ValueError(f"unknown mode/target {p.mode!r}/{p.target!r}")
     if p.gap_kind not in ("fma", "spin"):
         raise ValueError(f"gap_kind must be 'fma' or 'spin', got {p.gap_kind!r}")
@@ -85,3 +88,11 @@ def default_sweep(sm_count: int, quick: bool = False) -> list[Point]:
             for target in ("remote", "local"):
                 pts.append(Point("isolated", target, k, b, bursts=8))
     return pts
+
+
+def all_peers_sweep(points: list[Point]) -> list[Point]:
+    """The all-to-all injection sweep: every remote point again, now with every rank sending at once and
+    each sender's producers spread over all its peers (the traffic of a Ulysses All-to-All)."""
+    from dataclasses import replace
+
+    return [replace(p, target="all_peers") for p in points if p.target == "remote"]

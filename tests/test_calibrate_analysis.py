@@ -132,3 +132,46 @@ def test_repeats_are_aggregated_by_median():
     mine = next(a for a in agg if a["sender"] == 0)
     assert mine["repeats"] == 3 and mine["metrics"]["t_iss_us"] == pytest.approx(float(np.median(vals)))
     assert mine["metrics"]["producers"] == 8
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_all_to_all_deals_every_producer_to_one_peer(world):
+    from calibrate.bench import peer_order, producers_to
+
+    rng = np.random.default_rng()
+    k = int(rng.integers(1, 133))
+    for sender in range(world):
+        peers = peer_order(sender, world)
+        assert sorted(peers) == [j for j in range(world) if j != sender]
+        dealt = [producers_to(sender, j, k, world) for j in range(world)]
+        assert dealt[sender] == []
+        assert sorted(x for d in dealt for x in d) == list(range(k))
+        sizes = [len(d) for j, d in enumerate(dealt) if j != sender]
+        assert max(sizes) - min(sizes) <= 1  # the peers share the producers evenly
+
+
+def test_finish_fits_all_to_all_injection_beside_the_pair(tmp_path):
+    """calibrate.run.finish on synthetic pairwise + all-to-all measurements (the all-to-all ones drain at
+    a different, random rate): both profiles are written and the summary recovers the ratio."""
+    import json
+
+    from calibrate.profile import load_profile
+    from calibrate.run import finish
+
+    rng = np.random.default_rng()
+    r_pair = rng.uniform(300e3, 500e3)
+    r_all = r_pair * rng.uniform(0.8, 1.9)
+    q = rng.uniform(2.0, 4.0) * (1 << 20)
+    pair = _synthetic_measurements(rng, r_pair, q)
+    a2a = [{**m, "target": "all_peers", "receiver": -1} for m in _synthetic_measurements(rng, r_all, q)
+           if m["target"] == "remote"]
+    raw = {"measurements": pair + a2a, "sm_count": 132, "world_size": 2,
+           "provenance": {"source": "measured", "device": "synthetic", "world_size": 2, "date": "x"}}
+    assert finish(raw, str(tmp_path), "test") == 0
+    main = load_profile(str(tmp_path / "calibration.json"))
+    other = load_profile(str(tmp_path / "calibration_all_to_all.json"))
+    assert main.drain_rate == pytest.approx(r_pair, rel=0.03)
+    assert other.drain_rate == pytest.approx(r_all, rel=0.03)
+    summary = json.loads((tmp_path / "calibration.json").read_text())["fit_quality"]["all_to_all"]
+    assert summary["rate_vs_pairwise"] == pytest.approx(r_all / r_pair, rel=0.05)
+    assert summary["drain_rate_GBps_per_peer"] == pytest.approx(summary["drain_rate_GBps_per_sender"])

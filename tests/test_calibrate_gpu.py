@@ -19,6 +19,13 @@ POINTS = [
 ]
 
 
+A2A_POINTS = [
+    Point("rate", "all_peers", 132, 32768, bursts=8),
+    Point("gap", "all_peers", 66, 16384, "fma", 256, bursts=4),
+    Point("isolated", "all_peers", 132, 16384, bursts=3),
+]
+
+
 def _worker(rank, world, init_file, out):
     from cute_kernels.dist import process_group
 
@@ -34,6 +41,17 @@ def _worker(rank, world, init_file, out):
                 m = bench.run_point(p, s, d)  # raises if any byte is wrong or a record is missing
                 if m is not None:
                     results.append(m)
+        # All-to-all injection: every rank sends at once, each receiver verifies every sender's words.
+        a2a = []
+        for p in A2A_POINTS:
+            p = Point(p.mode, p.target, min(p.producers, bench.sm_count), p.bytes_per_producer, p.gap_kind,
+                      p.gap, p.bursts)
+            a2a.append(bench.run_all_peers(p))
+        try:
+            bench.run_all_peers(POINTS[0])
+            a2a_rejected = False
+        except ValueError:
+            a2a_rejected = True
         # A bad configuration is rejected before launch, on every rank alike.
         try:
             bench.run_point(Point("rate", "remote", 10_000, 32768), 0, 1)
@@ -41,7 +59,7 @@ def _worker(rank, world, init_file, out):
         except ValueError:
             rejected = True
         with open(f"{out}.{rank}", "w") as f:
-            json.dump({"results": results, "rejected": rejected}, f)
+            json.dump({"results": results, "rejected": rejected, "a2a": a2a, "a2a_rejected": a2a_rejected}, f)
 
 
 @pytest.mark.multigpu
@@ -65,3 +83,12 @@ def test_bursts_delivered_and_recorded(tmp_path):
             assert mt["gap_us"] > (0.5 if m["gap"] else 0.0)
         else:
             assert mt["completion_us"] >= mt["t_iss_us"]
+
+    for r, rank_res in enumerate(res):
+        assert rank_res["a2a_rejected"]
+        assert len(rank_res["a2a"]) == len(A2A_POINTS)
+        for m in rank_res["a2a"]:
+            mt = m["metrics"]
+            assert m["sender"] == r and m["receiver"] == -1 and r not in m["peers"]
+            assert mt["t_iss_us"] > 0
+            assert mt["volume_bytes"] / mt["t_period_agg_us"] <= 1.05 * 450e3 * (len(res) - 1)
