@@ -74,7 +74,8 @@ class BurstBench:
                 raise ValueError(f"rank {self.rank} has no peer access to rank {peer}: remote stores need "
                                  "NVLink/PCIe peer access between every pair (check nvidia-smi topo -m)")
         words = buffer_bytes // 4
-        self.buf = symm_mem.empty(words, dtype=torch.int32, device=self.device)
+        # One region of buffer_bytes per sender, so all-to-all injection never overlaps (pairs use region 0).
+        self.buf = symm_mem.empty(words * self.world, dtype=torch.int32, device=self.device)
         self.buf_hdl = symm_mem.rendezvous(self.buf, self.group)
         self.flag = symm_mem.empty(FLAG_WORDS, dtype=torch.int32, device=self.device)
         self.flag_hdl = symm_mem.rendezvous(self.flag, self.group)
@@ -136,7 +137,7 @@ class BurstBench:
             raise ValueError(f"run_all_peers takes target='all_peers' points, got {p.target!r}")
         if self.world < 2:
             raise ValueError("all-to-all injection needs two or more ranks")
-        region = (self.buffer_bytes // self.world) // 16 * 16
+        region = self.buffer_bytes
         validate_point(p, self.sm_count, region, self.threads)
         if p.bursts > self.max_bursts:
             raise ValueError(f"bursts={p.bursts} exceeds max_bursts={self.max_bursts}")
