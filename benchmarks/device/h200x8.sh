@@ -12,7 +12,8 @@ mkdir -p "$OUT/$machine"
 run nvidia-smi topo -m
 # GPU tests first (any world size code paths, tested at 2 ranks by the suite).
 run timeout 420 python3 -m pytest -q -rs -m "gpu or multigpu" tests
-# Calibration over every ordered pair (56 at P = 8): R, T_iss0, Q per pair, all through NVSwitch.
+# Calibration over every ordered pair (56 at P = 8): R, T_iss0, Q per pair, all through NVSwitch; then the
+# all-to-all injection sweep (every rank to its 7 peers at once) fitted beside it (calibration_all_to_all.json).
 run timeout 500 python3 -m calibrate.cli calibrate --machine "$machine" --out "$OUT/$machine" --pairs all
 # Table 3 setting: 24 heads over 8 GPUs = 3 heads per rank, M = 8K..64K.
 run timeout 500 python3 -m calibrate.cli bench flash-a2a --heads-per-rank 3 --out "$OUT/$machine/flash_a2a.json"
