@@ -127,3 +127,48 @@ def ptxas_resource_usage(ptx: str, arch: str = DEFAULT_ARCH) -> dict[str, Resour
         if m:
             u.registers = int(m.group(1))
     return usage
+
+
+def _nvdisasm() -> str | None:
+    """nvdisasm from PATH, else the copy triton ships (a dependency of quack), else None."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import triton
+
+        cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+        return cand if os.access(cand, os.X_OK) else None
+    except ImportError:
+        return None
+
+
+def sass(cubin: bytes) -> str | None:
+    """The SASS of a compiled cubin (``nvdisasm -c``), or None where no nvdisasm is available."""
+    tool = _nvdisasm()
+    if tool is None or not cubin:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        proc = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=False)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def softmax_overlap(sass_text: str) -> list[tuple[int, int]]:
+    """For each ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (S ready, PV still running) in the SASS: how many
+    ``MUFU.EX2`` and ``FFMA`` come before the following ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` (PV done), i.e.
+    how much of the softmax actually overlaps the warpgroup's own PV GEMM."""
+    lines = sass_text.splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in lines[i]:
+            j = i + 1
+            while j < len(lines) and "WARPGROUP.DEPBAR.LE gsb0, 0x0" not in lines[j]:
+                j += 1
+            seg = lines[i:j]
+            out.append((sum("MUFU.EX2" in s for s in seg), sum(" FFMA " in s for s in seg)))
+            i = j
+        i += 1
+    return out

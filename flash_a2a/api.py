@@ -116,7 +116,8 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     ``overlap=False`` selects the plain mainloop (no intra-warpgroup overlap, no ping-pong).
     ``tile_order_world=P`` walks the tiles in the fused kernel's order for P ranks (destination rank fastest)
     without changing the result, so FA-only and fused runs can be compared on the same schedule.
-    ``variant`` passes mainloop knobs of ``FlashAttentionA2AForward`` (``lag_v``, ``sync_first_block``) for
+    ``variant`` passes mainloop knobs of ``FlashAttentionA2AForward`` (``lag_v``, ``sync_first_block``,
+    ``pin_softmax``) for
     side-by-side benchmarks; ``persistent=False`` launches one CTA per tile instead of one per SM."""
     check_qkv(q, k, v, tile_order_world)
     b, s, h, d = q.shape

@@ -37,6 +37,28 @@ def test_variants_compile_with_wgmma(tmp_path, mode, head_dim):
             assert u.spill_stores == 0 and u.spill_loads == 0
 
 
+def test_pinned_softmax_overlaps_the_pv_gemm_in_sass(tmp_path):
+    """pin_softmax: in the SASS of the mainloop every exponential (and its FFMA) is issued between the wait
+    for S and the wait for the warpgroup's own PV GEMM, and the kernel stays free of local-memory spills and
+    keeps its HGMMAs."""
+    from cutlass.runtime import make_fake_stream
+
+    from cute_kernels.compile import compile_kernel, sass, softmax_overlap
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    k = FlashAttentionA2AForward(head_dim=128, mode="local", pin_softmax=True)
+    c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
+    text = sass(c.cubin)
+    if text is None:
+        pytest.skip("no nvdisasm on this machine (it comes with triton)")
+    assert "HGMMA.64x128x16.F32.BF16" in text
+    assert "STL" not in text and "LDL" not in text
+    windows = softmax_overlap(text)
+    assert len(windows) == 1, windows  # one overlapped mainloop
+    ex2, ffma = windows[0]
+    assert ex2 >= 64 and ffma >= 64, windows  # 2 rows x 32 columns per thread: all of them
+
+
 def test_bad_input_rejected_before_launch():
     from flash_a2a.api import check_qkv
 
@@ -84,7 +106,7 @@ def test_tile_order_and_mainloop_variants_agree():
     q, k, v = (torch.randn(1, 2048, 3, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
     base = flash_attention(q, k, v)
     assert torch.equal(flash_attention(q, k, v, tile_order_world=2), base), "tile order must not change O"
-    for variant in ({"lag_v": True}, {"sync_first_block": False}, {"persistent": False}):
+    for variant in ({"lag_v": True}, {"sync_first_block": False}, {"persistent": False}, {"pin_softmax": True}):
         assert torch.equal(flash_attention(q, k, v, **variant), base), variant
     assert rel_err(flash_attention(q, k, v, overlap=False), reference_attention(q, k, v)) <= 1e-2
 
