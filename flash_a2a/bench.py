@@ -12,9 +12,11 @@ Sender-side boundary as in the paper (sec. 5.1): fused runs launch the attention
 back (it advances its own epoch), and remote visibility is settled once after the replays;
 ``fused_visible`` also waits for every peer's data each call (the remote-visible boundary).
 Time per call = graph replay time / calls per graph, median over interleaved rounds (every round replays
-every column, in a rotating order); the max over ranks is reported. Derived: E_res = T_fused - T_FA and
-the serial excess T_serial - T_FA, each the median over rounds of the difference within a round (pairing
-cancels clock drift between rounds); hiding ratio H = 1 - E_res / (T_serial - T_FA) (eq. 21),
+every column, in a fresh random order); the max over ranks is reported. Derived: E_res = T_fused - T_FA
+and the serial excess T_serial - T_FA, each the median over rounds of the difference within a round
+(pairing cancels clock drift between rounds); for kernels of T_FA >= --alternate-min-us both come instead
+from adjacent launches alternated on one stream (``alternated_excess``; the round-paired value is kept
+as ``fused_E_res_round_paired_us``); hiding ratio H = 1 - E_res / (T_serial - T_FA) (eq. 21),
 speedups over each serial, TFLOP/s, and the model's G* and M*_ub from the platform profile.
 """
 from __future__ import annotations
@@ -38,6 +40,10 @@ def add_arguments(p) -> None:
     p.add_argument("--replays", type=int, default=15, help="interleaved rounds")
     p.add_argument("--profile", default="h200x2", help="platform profile for G* and M*_ub")
     p.add_argument("--skip", nargs="*", default=[], help="columns to leave out")
+    p.add_argument("--alternate-pairs", type=int, default=24,
+                   help="adjacent-launch pairs per residual for long kernels (0: off)")
+    p.add_argument("--alternate-min-us", type=float, default=500.0,
+                   help="FA-only time from which residuals come from adjacent launches")
 
 
 def _capture(fn, calls, group):
@@ -92,6 +98,45 @@ def _measure(columns: dict, calls: int, replays: int, group) -> dict:
     med = torch.tensor([sorted(times[n])[len(times[n]) // 2] for n in names], device="cuda", dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
     return {n: float(med[i]) for i, n in enumerate(names)}, times
+
+
+def alternated_excess(first, second, pairs: int, group) -> dict:
+    """Launch ``first``, ``second``, ``first``, ``second``, ... back to back on one stream with an event
+    between every two launches, so each kernel is timed by its neighbouring events while the GPU never
+    idles (steady clocks), and each difference compares two launches a few ms apart. Returns the median and
+    the quartiles over ``pairs`` of (T_second − T_first) in µs, max over ranks (medians) — the residual
+    measurement for long kernels, where round-to-round drift exceeds the residual."""
+    import torch
+    import torch.distributed as dist
+
+    first()
+    second()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * pairs + 1)]
+    events[0].record()
+    for i in range(pairs):
+        first()
+        events[2 * i + 1].record()
+        second()
+        events[2 * i + 2].record()
+    events[-1].synchronize()
+    firsts = [events[2 * i].elapsed_time(events[2 * i + 1]) * 1e3 for i in range(pairs)]
+    seconds = [events[2 * i + 1].elapsed_time(events[2 * i + 2]) * 1e3 for i in range(pairs)]
+    st = pair_stats(firsts, seconds)
+    q = torch.tensor([st["q1_us"], st["median_us"], st["q3_us"]], device="cuda", dtype=torch.float64)
+    dist.all_reduce(q, op=dist.ReduceOp.MAX, group=group)
+    return {**st, "q1_us": float(q[0]), "median_us": float(q[1]), "q3_us": float(q[2])}
+
+
+def pair_stats(firsts: list[float], seconds: list[float]) -> dict:
+    """Quartiles of the per-pair differences second − first (µs), and each kernel's median."""
+    if not firsts or len(firsts) != len(seconds):
+        raise ValueError("need one time of each kernel per pair")
+    diffs = sorted(b - a for a, b in zip(firsts, seconds))
+    n = len(diffs)
+    return {"q1_us": diffs[n // 4], "median_us": diffs[n // 2], "q3_us": diffs[(3 * n) // 4], "pairs": n,
+            "first_median_us": sorted(firsts)[n // 2], "second_median_us": sorted(seconds)[n // 2]}
 
 
 def _paired_excess(times: dict, name: str, base: str, group) -> float | None:
@@ -194,6 +239,13 @@ def _run(rank, world, args):
             medians, times = _measure(captured, args.calls_per_graph, args.replays, None)
             for name, t in medians.items():
                 row[name + "_us"] = t
+            if args.alternate_pairs and medians.get("fa_ours", 0.0) >= args.alternate_min_us:
+                # Long kernels: residuals from adjacent launches (see alternated_excess).
+                pairs = {"fused_minus_fa_ours": ("fa_ours", "fused"),
+                         "fused_cc_minus_fused": ("fused", "fused_cc"),
+                         "serial_ours_nccl_minus_fa_plain": ("fa_ours_plain_order", "serial_ours_nccl")}
+                row["alternated"] = {key: alternated_excess(cols[a], cols[b], args.alternate_pairs, None)
+                                     for key, (a, b) in pairs.items() if a in captured and b in captured}
             fused.settle(q)  # remote visibility of the sender-side fused runs, once after all replays
             torch.cuda.synchronize()
             del captured
@@ -222,8 +274,18 @@ def _run(rank, world, args):
                 for ser in ("serial_ours_nccl", "serial_fa4_nccl"):
                     if ser + "_us" in row and "fused_us" in row:
                         row["speedup_fused_over_" + ser] = row[ser + "_us"] / row["fused_us"]
+                alt = row.get("alternated")
+                alt = row.get("alternated") or {}
+                # adjacent-launch residuals replace the round-paired ones for long kernels
+                if "fused_minus_fa_ours" in alt:
+                    row["fused_E_res_round_paired_us"] = row.get("fused_E_res_us")
+                    row["fused_E_res_us"] = alt["fused_minus_fa_ours"]["median_us"]
+                if "fused_cc_minus_fused" in alt:
+                    row["fused_cc_minus_fused_us"] = alt["fused_cc_minus_fused"]["median_us"]
                 if "serial_ours_nccl_us" in row and "fused_us" in row:
-                    exposed = _paired_excess(times, "serial_ours_nccl", "fa_ours_plain_order", None)
+                    exposed = (alt["serial_ours_nccl_minus_fa_plain"]["median_us"]
+                               if "serial_ours_nccl_minus_fa_plain" in alt else
+                               _paired_excess(times, "serial_ours_nccl", "fa_ours_plain_order", None))
                     row["serial_ours_nccl_excess_us"] = exposed
                     e_res = row.get("fused_E_res_us")
                     row["hiding_ratio"] = (1.0 - e_res / exposed
