@@ -1,7 +1,8 @@
-"""Host side of the device-initiated Ulysses post-attention All-to-All (symmetric memory, any world size).
+"""Host side of the device-initiated Ulysses All-to-Alls (symmetric memory, any world size).
 
 ``SymmetricUlyssesA2A(group)(o)`` takes this rank's attention output (b, S, H/P, d) and returns its
-(b, S/P, H, d) slice of the All-to-All, complete and safe to read on the current stream. The returned
+(b, S/P, H, d) slice of the All-to-All, complete and safe to read on the current stream;
+``.pre(x, slot)`` is the pre-attention direction, (b, S/P, H, d) -> (b, S, H/P, d). The returned
 tensor lives in a symmetric buffer reused by the next call of the same shape: consume or clone it before
 then. Buffers are allocated once per shape (collectively: every rank must call with the same shapes in the
 same order); both kernels launch on torch's current stream and are CUDA-Graph capturable.
@@ -20,7 +21,7 @@ _KERNELS: dict = {}
 
 
 def _compiled(kind, *key):
-    """Compiled kernels by kind: "scatter" (vec_per_row, tile_m) or "wait" ()."""
+    """Compiled kernels by kind: "scatter" (vec_per_row, tile_m[, threads, direction]) or "wait" ()."""
     if (kind, key) not in _KERNELS:
         from cutlass.runtime import make_fake_stream
 
@@ -65,19 +66,28 @@ class SymmetricUlyssesA2A:
         self.tile_m, self.timeout_ns, self.ctas_per_sm = tile_m, int(timeout_s * 1e9), ctas_per_sm
         self.states: dict = {}
 
+    @staticmethod
+    def _check_tensor(t, name: str, layout: str) -> None:
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor {layout}")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} must be bfloat16 or float16, got {t.dtype}")
+        if not t.is_cuda or t.device.index != torch.cuda.current_device():
+            raise ValueError(f"{name} must live on the current CUDA device (cuda:{torch.cuda.current_device()})")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {layout}; call .contiguous()")
+        if (t.shape[3] * t.element_size()) % 16:
+            raise ValueError(f"head dim {t.shape[3]} must make rows of 16-byte multiples")
+
     def validate(self, o: torch.Tensor) -> None:
-        if not isinstance(o, torch.Tensor) or o.dim() != 4:
-            raise ValueError("o must be a 4-D tensor (b, S, H/P, d)")
-        if o.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"o must be bfloat16 or float16, got {o.dtype}")
-        if not o.is_cuda or o.device.index != torch.cuda.current_device():
-            raise ValueError(f"o must live on the current CUDA device (cuda:{torch.cuda.current_device()})")
-        if not o.is_contiguous():
-            raise ValueError("o must be contiguous (b, S, H/P, d); call .contiguous()")
+        self._check_tensor(o, "o", "(b, S, H/P, d)")
         b, s, h_loc, d = o.shape
-        if (d * o.element_size()) % 16:
-            raise ValueError(f"head dim {d} must make rows of 16-byte multiples")
         check_ulysses_shapes(s, h_loc * self.world, self.world, self.tile_m)
+
+    def validate_pre(self, x: torch.Tensor) -> None:
+        self._check_tensor(x, "x", "(b, S/P, H, d)")
+        b, s_loc, heads, d = x.shape
+        check_ulysses_shapes(s_loc * self.world, heads, self.world, self.tile_m)
 
     def __call__(self, o: torch.Tensor) -> torch.Tensor:
         self.validate(o)
@@ -94,6 +104,27 @@ class SymmetricUlyssesA2A:
         _compiled("scatter", vec_per_row, self.tile_m)(
             o.view(torch.int32).view(-1, 4), st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
             b, s, h_loc, self.rank, self.world, grid, self.timeout_ns)
+        st.wait(self.world, self.timeout_ns)
+        return st.out
+
+    def pre(self, x: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """The pre-attention All-to-All: this rank's (b, S/P, H, d) -> its (b, S, H/P, d) heads of the whole
+        sequence. ``slot`` picks one of several buffers of the same shape (q, k, v: 0, 1, 2), each reused by
+        the next call with that slot and shape."""
+        self.validate_pre(x)
+        b, s_loc, heads, d = x.shape
+        key = ("pre", slot, b, s_loc, heads, d, x.dtype)
+        if key not in self.states:
+            self.states[key] = SymmetricOutput(self.group, (b, s_loc * self.world, heads // self.world, d), x.dtype,
+                                               x.device)
+        st = self.states[key]
+        vec_per_row = d * x.element_size() // 16
+        n_tiles = (s_loc // self.tile_m) * heads * b
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        grid = min(n_tiles, self.ctas_per_sm * sms)
+        _compiled("scatter", vec_per_row, self.tile_m, 128, "pre")(
+            x.view(torch.int32).view(-1, 4), st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
+            b, s_loc, heads // self.world, self.rank, self.world, grid, self.timeout_ns)
         st.wait(self.world, self.timeout_ns)
         return st.out
 

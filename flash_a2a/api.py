@@ -194,9 +194,24 @@ def fused_attention_a2a(q, k, v, group=None, softmax_scale=None, mode: str = "pi
     return _FUSED[group](q, k, v, softmax_scale, mode)
 
 
-def pre_attention_a2a(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Ulysses pre-attention All-to-All through NCCL: (b, S/P, H, d) -> (b, S, H/P, d)."""
+_SYMM_A2A: dict = {}
+
+
+def pre_attention_a2a(x: torch.Tensor, group=None, method: str = "nccl", slot: int = 0) -> torch.Tensor:
+    """Ulysses pre-attention All-to-All: (b, S/P, H, d) -> (b, S, H/P, d).
+
+    ``method="nccl"``: all_to_all_single with yunchang's permutes (a fresh tensor). ``method="symm"``: our
+    device-initiated scatter into a symmetric buffer (``slot`` picks the buffer, e.g. 0/1/2 for q/k/v; the
+    next call with the same slot and shape reuses it)."""
     group = group or dist.group.WORLD
+    if method == "symm":
+        from flash_a2a.a2a import SymmetricUlyssesA2A
+
+        if group not in _SYMM_A2A:
+            _SYMM_A2A[group] = SymmetricUlyssesA2A(group)
+        return _SYMM_A2A[group].pre(x, slot)
+    if method != "nccl":
+        raise ValueError(f"method must be 'nccl' or 'symm', got {method!r}")
     world = dist.get_world_size(group)
     b, s_loc, h, d = x.shape
     send = x.reshape(b, s_loc, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
@@ -207,17 +222,21 @@ def pre_attention_a2a(x: torch.Tensor, group=None) -> torch.Tensor:
 
 class UlyssesAttention(torch.nn.Module):
     """Drop-in for yunchang's ``UlyssesAttention``: forward(query, key, value, ...) with q/k/v in
-    (b, S/P, H, d) returns (b, S/P, H, d). Pre-attention All-to-All through NCCL, then our fused
+    (b, S/P, H, d) returns (b, S/P, H, d). Pre-attention All-to-All through NCCL (``pre_a2a="symm"``: our
+    symmetric-memory scatter, not yet measured against NCCL on the GPUs), then our fused
     attention + post-attention All-to-All, called through the ``xstage::fused_attention_a2a`` custom op so
     torch.compile sees an opaque op. The result is a fresh tensor (safe to keep)."""
 
     def __init__(self, sequence_process_group=None, scatter_idx: int = 2, gather_idx: int = 1,
-                 use_sync: bool = False, mode: str = "piggyback"):
+                 use_sync: bool = False, mode: str = "piggyback", pre_a2a: str = "nccl"):
         super().__init__()
         if (scatter_idx, gather_idx) != (2, 1):
             raise NotImplementedError("only scatter_idx=2, gather_idx=1 (the (b, s, h, d) layout) is supported")
+        if pre_a2a not in ("nccl", "symm"):
+            raise ValueError(f"pre_a2a must be 'nccl' or 'symm', got {pre_a2a!r}")
         self.group = sequence_process_group or dist.group.WORLD
         self.mode = mode
+        self.pre_a2a = pre_a2a
         self.world = dist.get_world_size(self.group)
 
     def forward(self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -234,7 +253,8 @@ class UlyssesAttention(torch.nn.Module):
             if t.dim() != 4 or t.shape[2] % world:
                 raise ValueError(f"{name} must be (b, S/P, H, d) with H divisible by the group size {world}, "
                                  f"got {tuple(t.shape)}")
-        q, k, v = (pre_attention_a2a(t.contiguous(), self.group) for t in (query, key, value))
+        q, k, v = (pre_attention_a2a(t.contiguous(), self.group, self.pre_a2a, slot)
+                   for slot, t in enumerate((query, key, value)))
         from flash_a2a import ops  # noqa: F401 - registers torch.ops.xstage.*
 
         return torch.ops.xstage.fused_attention_a2a(q, k, v, self.group.group_name, softmax_scale, self.mode)

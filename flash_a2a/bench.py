@@ -7,6 +7,7 @@ Columns (per M in SEQ_LENS and heads per rank in HEADS_PER_RANK; d = 128, b = 1,
   ping-ponged), fa_ours_nonpersistent (one CTA per tile), fa_ours_pin_softmax (the exponentials held ahead
   of the PV wait in the SASS), fa4 (flash-attn-4's SM90 forward), cudnn (torch SDPA, cuDNN backend);
   a2a_nccl (yunchang: permutes around all_to_all_single), a2a_symm (our device-initiated scatter);
+  pre_a2a_nccl / pre_a2a_symm (the pre-attention All-to-All of q, k and v, each way);
   serial_fa4_nccl, serial_ours_nccl; fused (piggyback), fused_cc (completion-coupled), fused_visible.
 Sender-side boundary as in the paper (sec. 5.1): fused runs launch the attention kernel alone, back to
 back (it advances its own epoch), and remote visibility is settled once after the replays;
@@ -192,7 +193,7 @@ def _run(rank, world, args):
     from calibrate import model
     from calibrate.profile import resolve_profile
     from flash_a2a.a2a import SymmetricUlyssesA2A, nccl_post_a2a
-    from flash_a2a.api import FusedAttentionA2A, flash_attention
+    from flash_a2a.api import FusedAttentionA2A, flash_attention, pre_attention_a2a
 
     torch.set_grad_enabled(False)
     base = _baselines()
@@ -205,6 +206,9 @@ def _run(rank, world, args):
             q, k, v = (torch.randn(1, s, h_loc, HEAD_DIM, device="cuda").to(torch.bfloat16) for _ in range(3))
             o_ours = torch.empty_like(q)
             ref = flash_attention(q, k, v, out=o_ours).clone()
+            # pre-attention inputs: this rank's (b, S/P, H, d) slices of q, k, v
+            xs = [torch.randn(1, s // world, h_loc * world, HEAD_DIM, device="cuda").to(torch.bfloat16)
+                  for _ in range(3)]
             cols = {
                 "fa_ours": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world),
                 "fa_ours_plain_order": lambda: flash_attention(q, k, v, out=o_ours),
@@ -218,6 +222,8 @@ def _run(rank, world, args):
                 "cudnn": lambda: base["cudnn"](q, k, v),
                 "a2a_nccl": lambda: nccl_post_a2a(o_ours),
                 "a2a_symm": lambda: a2a(o_ours),
+                "pre_a2a_nccl": lambda: [pre_attention_a2a(x) for x in xs],
+                "pre_a2a_symm": lambda: [a2a.pre(x, slot) for slot, x in enumerate(xs)],
                 "serial_ours_nccl": lambda: nccl_post_a2a(flash_attention(q, k, v, out=o_ours)),
                 "fused": lambda: fused.launch(q, k, v, mode="piggyback", wait=False),
                 "fused_cc": lambda: fused.launch(q, k, v, mode="completion_coupled", wait=False),

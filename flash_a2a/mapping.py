@@ -84,3 +84,46 @@ def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid):
     mb_in_rank = group % n_mb_per_rank
     rest = group // n_mb_per_rank
     return dest * n_mb_per_rank + mb_in_rank, rest % h_loc, rest // h_loc, dest
+
+
+def post_tile(t, n_mb, h_loc, rank, seq, world, tile_m):
+    """The post-attention scatter's tile t -> (source row0, source head, batch, destination rank,
+    destination row0, destination head); the input is (b, S, H/P, d), m_block fastest. Ints or DSL Int32."""
+    mb = t % n_mb
+    rest = t // n_mb
+    h = rest % h_loc
+    bb = rest // h_loc
+    row0 = mb * tile_m
+    rows_per_rank = seq // world
+    j = row0 // rows_per_rank
+    return row0, h, bb, j, row0 - j * rows_per_rank, rank * h_loc + h
+
+
+def pre_tile(t, n_mb, h_loc, rank, seq_loc, world, tile_m):
+    """The pre-attention scatter's tile t -> (source row0, source head, batch, destination rank,
+    destination row0, destination head); the input is (b, S/P, H, d), head fastest. Ints or DSL Int32."""
+    heads = h_loc * world
+    h = t % heads
+    rest = t // heads
+    mb = rest % n_mb
+    bb = rest // n_mb
+    row0 = mb * tile_m
+    j = h // h_loc
+    return row0, h, bb, j, rank * seq_loc + row0, h - j * h_loc
+
+
+def pre_destination(row: int, head: int, rank: int, seq_loc: int, heads: int, world: int):
+    """(dest_rank, dest_row, dest_local_head) of row ``row`` (of S/P) and head ``head`` (of H) on ``rank``
+    in the pre-attention All-to-All: (b, S/P, H, d) -> (b, S, H/P, d)."""
+    h_loc = heads // world
+    j = head // h_loc
+    return j, rank * seq_loc + row, head - j * h_loc
+
+
+def reference_pre_a2a(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Reference pre-attention All-to-All on plain tensors: ``inputs[r]`` is rank r's (b, S/P, H, d);
+    returns each rank's (b, S, H/P, d). Written with slicing, independent of ``pre_destination``."""
+    world = len(inputs)
+    h_loc = inputs[0].shape[2] // world
+    return [torch.cat([inputs[r][:, :, j * h_loc:(j + 1) * h_loc] for r in range(world)], dim=1)
+            for j in range(world)]

@@ -1,10 +1,16 @@
-"""UlyssesScatterKernel: the post-attention Ulysses All-to-All by device-initiated remote stores.
+"""UlyssesScatterKernel: the Ulysses All-to-Alls by device-initiated remote stores.
 
-A persistent grid walks the output tiles (m_block fastest, then local head, then batch) of this rank's
-attention output ``o`` (b, S, H/P, d). Each tile goes to exactly one rank j (mapping.destination), and the
-CTA that owns it stores it with 128-bit stores straight into rank j's symmetric (b, S/P, H, d) buffer and
-moves on: no per-tile wait for remote completion. This is the communication half of the piggybacked
-FlashAttention epilogue; the same tile walk and stores run after each tile's Q-loop in the fused kernel.
+``direction="post"`` (after attention): a persistent grid walks the output tiles (m_block fastest, then
+local head, then batch) of this rank's attention output ``o`` (b, S, H/P, d). Each tile goes to exactly one
+rank j (mapping.destination), and the CTA that owns it stores it with 128-bit stores straight into rank j's
+symmetric (b, S/P, H, d) buffer and moves on: no per-tile wait for remote completion. This is the
+communication half of the piggybacked FlashAttention epilogue; the same stores run after each tile's
+Q-loop in the fused kernel.
+
+``direction="pre"`` (before attention): the input is this rank's (b, S/P, H, d) slice; tile (row block,
+head h, batch) goes to rank j = h // (H/P), rows offset by rank·S/P, local head h - j·H/P, in rank j's
+(b, S, H/P, d) buffer (mapping.pre_destination). Head varies fastest, so concurrent tiles spread over all
+destinations.
 
 Completion and buffer reuse follow the epoch-flag protocol of ``flash_a2a.epoch``.
 """
@@ -18,6 +24,7 @@ from cutlass.cute.runtime import make_fake_tensor
 
 from cute_kernels import flags as fl
 from flash_a2a.epoch import announce_ready, ensure_ready, publish_done
+from flash_a2a.mapping import post_tile, pre_tile
 
 WORDS_PER_VEC = 4  # 128 bits
 
@@ -27,10 +34,12 @@ def _flat(name_dims: int):
 
 
 class UlyssesScatterKernel:
-    def __init__(self, vec_per_row: int = 16, tile_m: int = 128, threads: int = 128):
+    def __init__(self, vec_per_row: int = 16, tile_m: int = 128, threads: int = 128, direction: str = "post"):
         if (tile_m * vec_per_row) % threads:
             raise ValueError("tile_m * vectors per row must be a multiple of the thread count")
-        self.vec_per_row, self.tile_m, self.threads = vec_per_row, tile_m, threads
+        if direction not in ("post", "pre"):
+            raise ValueError(f"direction must be 'post' or 'pre', got {direction!r}")
+        self.vec_per_row, self.tile_m, self.threads, self.direction = vec_per_row, tile_m, threads, direction
         self.vec_per_thread = tile_m * vec_per_row // threads
 
     def fake_args(self):
@@ -57,30 +66,33 @@ class UlyssesScatterKernel:
         grid, _, _ = cute.arch.grid_dim()
         vpr = self.vec_per_row
         e_next = epoch[0] + 1
-        rows_per_rank = seq // world
         heads = h_loc * world
         n_mb = seq // self.tile_m
-        n_tiles = n_mb * h_loc * batch
-        n_out_vec = Int64(batch) * Int64(rows_per_rank) * Int64(heads) * Int64(vpr)
+        if cutlass.const_expr(self.direction == "post"):
+            # seq = S, the input is (b, S, H/P, d), the output (b, S/P, H, d)
+            n_tiles = n_mb * h_loc * batch
+            n_out_vec = Int64(batch) * Int64(seq // world) * Int64(heads) * Int64(vpr)
+        else:
+            # seq = S/P, the input is (b, S/P, H, d), the output (b, S, H/P, d)
+            n_tiles = n_mb * heads * batch
+            n_out_vec = Int64(batch) * Int64(seq * world) * Int64(h_loc) * Int64(vpr)
 
         announce_ready(flag_ptrs, rank, world, e_next, Int32(tidx), Int32(bidx))
 
         vals = cute.make_rmem_tensor(cute.make_layout((self.vec_per_thread, WORDS_PER_VEC), stride=(WORDS_PER_VEC, 1)), Int32)
         ready_mask = Int32(0)
         for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
-            mb = t % n_mb
-            rest = t // n_mb
-            h = rest % h_loc
-            bb = rest // h_loc
-            row0 = mb * self.tile_m
-            j = row0 // rows_per_rank
-            drow0 = row0 - j * rows_per_rank
-            dh = rank * h_loc + h
+            if cutlass.const_expr(self.direction == "post"):
+                row0, h, bb, j, drow0, dh = post_tile(t, n_mb, h_loc, rank, seq, world, self.tile_m)
+                src_heads, dst_heads, dst_seq = h_loc, heads, seq // world
+            else:
+                row0, h, bb, j, drow0, dh = pre_tile(t, n_mb, h_loc, rank, seq, world, self.tile_m)
+                src_heads, dst_heads, dst_seq = heads, h_loc, seq * world
             for i in cutlass.range_constexpr(self.vec_per_thread):
                 idx = i * self.threads + Int32(tidx)
                 r = idx // vpr
                 v = idx % vpr
-                src = ((Int64(bb) * seq + row0 + r) * h_loc + h) * vpr + v
+                src = ((Int64(bb) * seq + row0 + r) * src_heads + h) * vpr + v
                 cute.autovec_copy(o[src, None], vals[i, None])
             ready_mask = ensure_ready(flags, ready_mask, j, world, e_next, timeout_ns, errors, Int32(tidx),
                                       Int32(bidx), 1, self.threads)
@@ -91,7 +103,7 @@ class UlyssesScatterKernel:
                 idx = i * self.threads + Int32(tidx)
                 r = idx // vpr
                 v = idx % vpr
-                dsti = ((Int64(bb) * rows_per_rank + drow0 + r) * heads + dh) * vpr + v
+                dsti = ((Int64(bb) * dst_seq + drow0 + r) * dst_heads + dh) * vpr + v
                 cute.copy(atom, vals[i, None], dst[dsti, None])
 
         # Completion: every thread's stores performed (system scope), then the last CTA to finish

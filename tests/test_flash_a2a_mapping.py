@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from flash_a2a.mapping import local_tail, tile_coords, check_ulysses_shapes, destination, reference_post_a2a
+from flash_a2a.mapping import (local_tail, post_tile, pre_destination, pre_tile, reference_pre_a2a, tile_coords,
+                                check_ulysses_shapes, destination, reference_post_a2a)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
@@ -93,3 +94,45 @@ def test_tile_order_ends_on_local_tiles_and_interleaves_before(world):
         end1 = (n_tiles // world - k) * world
         for g in range(0, end1, world):
             assert sorted(dests[g:g + world]) == list(range(world))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_scatter_tile_walks_land_like_the_reference_all_to_alls(world):
+    """Both directions of the scatter kernel's tile walk and index math (flash_a2a.mapping.post_tile /
+    pre_tile), run on CPU tensors with random shapes, against the slicing references."""
+    rng = random.Random()
+    tile, b, h_loc, d = 4, rng.randint(1, 2), rng.randint(1, 3), 2
+    n_mb_rank = rng.randint(1, 3)
+    s = world * n_mb_rank * tile
+    s_loc, heads = s // world, h_loc * world
+    # post: (b, S, H/P, d) -> (b, S/P, H, d)
+    outs = [torch.randn(b, s, h_loc, d) for _ in range(world)]
+    got = [torch.full((b, s_loc, heads, d), float("nan")) for _ in range(world)]
+    n_mb = s // tile
+    for rank in range(world):
+        for t in range(n_mb * h_loc * b):
+            row0, h, bb, j, drow0, dh = post_tile(t, n_mb, h_loc, rank, s, world, tile)
+            assert (j, drow0, dh) == destination(row0, h, rank, s, heads, world)
+            got[j][bb, drow0:drow0 + tile, dh] = outs[rank][bb, row0:row0 + tile, h]
+    for j, ref in enumerate(reference_post_a2a(outs)):
+        assert torch.equal(got[j], ref)
+    # pre: (b, S/P, H, d) -> (b, S, H/P, d)
+    ins = [torch.randn(b, s_loc, heads, d) for _ in range(world)]
+    got = [torch.full((b, s, h_loc, d), float("nan")) for _ in range(world)]
+    n_mb = s_loc // tile
+    for rank in range(world):
+        for t in range(n_mb * heads * b):
+            row0, h, bb, j, drow0, dh = pre_tile(t, n_mb, h_loc, rank, s_loc, world, tile)
+            assert (j, drow0, dh) == pre_destination(row0, h, rank, s_loc, heads, world)
+            got[j][bb, drow0:drow0 + tile, dh] = ins[rank][bb, row0:row0 + tile, h]
+    for j, ref in enumerate(reference_pre_a2a(ins)):
+        assert torch.equal(got[j], ref)
+
+
+def test_reference_pre_and_post_all_to_alls_are_inverse():
+    rng = random.Random()
+    world, b, h_loc, d = rng.choice([1, 2, 4]), rng.randint(1, 2), rng.randint(1, 3), 3
+    s = world * rng.randint(1, 5)
+    ins = [torch.randn(b, s // world, h_loc * world, d) for _ in range(world)]
+    back = reference_post_a2a(reference_pre_a2a(ins))
+    assert all(torch.equal(x, y) for x, y in zip(back, ins))

@@ -16,8 +16,8 @@ def test_scatter_kernels_compile_for_sm90a(tmp_path):
     from cute_kernels.compile import compile_kernel
     from flash_a2a.scatter import EpochWaitKernel, UlyssesScatterKernel
 
-    for vec_per_row in (16, 8):
-        k = UlyssesScatterKernel(vec_per_row)
+    for vec_per_row, direction in ((16, "post"), (8, "post"), (16, "pre"), (8, "pre")):
+        k = UlyssesScatterKernel(vec_per_row, direction=direction)
         c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
         assert c.ptx_count(r"st\.global\.v4\.b32") == k.vec_per_thread, "one 128-bit store per vector"
         assert c.ptx_count(r"ld\.acquire\.sys") >= 1, "waits for the receiver's ready flag"
@@ -56,6 +56,25 @@ def _worker(rank, world, init_file, out):
                 assert torch.equal(got.cpu(), ref), ("mismatch", b, s, h_loc, d)
                 assert torch.equal(nccl_post_a2a(o).cpu(), ref)
                 checked += 1
+        # Pre-attention direction: (b, S/P, H, d) -> (b, S, H/P, d), two slots of one shape alive at once.
+        from flash_a2a.api import pre_attention_a2a
+        from flash_a2a.mapping import reference_pre_a2a
+
+        for b, s_loc, h_loc, d, dt in [(1, 512, 2, 128, torch.bfloat16), (2, 1024, 3, 64, torch.float16)]:
+            for _ in range(2):
+                xs = [torch.randn(b, s_loc, h_loc * world, d, device="cuda").to(dt) for _ in range(2)]
+                refs = []
+                for x in xs:
+                    gathered = [torch.empty_like(x) for _ in range(world)]
+                    dist.all_gather(gathered, x)
+                    refs.append(reference_pre_a2a([g.cpu() for g in gathered])[rank])
+                outs = [a2a.pre(x, slot) for slot, x in enumerate(xs)]
+                torch.cuda.synchronize()
+                a2a.check()
+                for out, ref, x in zip(outs, refs, xs):
+                    assert torch.equal(out.cpu(), ref), ("pre mismatch", b, s_loc, h_loc, d)
+                    assert torch.equal(pre_attention_a2a(x).cpu(), ref), "NCCL pre-attention reference"
+                    checked += 1
         # CUDA Graph: capture one call, replay with fresh inputs copied into the static input.
         b, s, h_loc, d = 1, 2048, 4, 128
         static = torch.randn(b, s, h_loc, d, device="cuda").to(torch.bfloat16)
@@ -92,5 +111,5 @@ def _worker(rank, world, init_file, out):
 @pytest.mark.multigpu
 def test_symmetric_a2a_matches_reference(tmp_path):
     for res in run_ranks(_worker, tmp_path):
-        assert res["checked"] == 16
+        assert res["checked"] == 16 + 8
         assert len(res["errors"]) == 3, res["errors"]

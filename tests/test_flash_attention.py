@@ -186,6 +186,8 @@ def _worker(rank, world, init_file, path):
         torch.cuda.synchronize()
         ref = reference_attention(*full)[:, rank * rows:(rank + 1) * rows]
         ulysses_err = rel_err(out, ref)
+        # The symmetric-memory pre-attention All-to-All gives the NCCL one's result bit for bit.
+        symm_pre_equal = bool(torch.equal(UlyssesAttention(pre_a2a="symm")(*mine), out))
         # torch.compile sees the custom op as one opaque node and gives the same result.
         compiled = torch.compile(UlyssesAttention(), backend="aot_eager")(*mine)
         torch.cuda.synchronize()
@@ -198,7 +200,7 @@ def _worker(rank, world, init_file, path):
                 errors.append(str(e))
         with open(f"{path}.{rank}", "w") as f:
             json.dump({"checked": checked, "ulysses_err": ulysses_err, "errors": errors, "spans_ok": spans_ok,
-                       "compiled_equal": compiled_equal}, f)
+                       "compiled_equal": compiled_equal, "symm_pre_equal": symm_pre_equal}, f)
 
 
 @pytest.mark.multigpu
@@ -209,3 +211,4 @@ def test_fused_matches_local_plus_reference_a2a(tmp_path):
         assert len(res["errors"]) == 2
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"
         assert res["compiled_equal"], "torch.compile(UlyssesAttention) must match eager"
+        assert res["symm_pre_equal"], "UlyssesAttention(pre_a2a='symm') must match the NCCL pre-attention path"
