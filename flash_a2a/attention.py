@@ -139,9 +139,12 @@ class FlashAttentionA2AForward:
         # side by side (benchmarks/results/h200x2/flash_a2a.json, column fa_ours_lag_v).
         self.lag_v = lag_v and overlap
         self.sync_first_block = sync_first_block
-        # pin_softmax: keep the exponentials ahead of the PV wait in the SASS (see q_loop_overlapped); opt-in
-        # until measured on the GPU.
-        self.pin_softmax = pin_softmax and overlap
+        # pin_softmax: keep the exponentials ahead of the PV wait in the SASS (see q_loop_overlapped); True pins
+        # every row a thread holds, "first_row" only the first (half of them). Opt-in until measured.
+        if pin_softmax not in (False, True, "first_row"):
+            raise ValueError(f"pin_softmax must be False, True or 'first_row', got {pin_softmax!r}")
+        self.pin_softmax = bool(pin_softmax) and overlap
+        self.pin_rows = 1 if pin_softmax == "first_row" else 2  # rows per thread in a 64-row warpgroup tile
         self.num_mma_wg = TILE_M // 64
         self.num_threads = WG_THREADS * (self.num_mma_wg + 1)
         self.vec = 128 // dtype.width  # elements per 128-bit store
@@ -370,7 +373,7 @@ class FlashAttentionA2AForward:
                 # row sum (always true: sums of exp2 are never below zero, and NaN compares false) makes the
                 # exponentials precede the release, and ptxas keeps the release ahead of the wait.
                 total = softmax.row_sum[0]
-                for r in cutlass.range_constexpr(1, cute.size(softmax.row_sum)):
+                for r in cutlass.range_constexpr(1, min(self.pin_rows, cute.size(softmax.row_sum))):
                     total = total + softmax.row_sum[r]
                 if not (total < Float32(0.0)):
                     pipe_k.consumer_release(kv_state)

@@ -106,7 +106,8 @@ def test_tile_order_and_mainloop_variants_agree():
     q, k, v = (torch.randn(1, 2048, 3, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
     base = flash_attention(q, k, v)
     assert torch.equal(flash_attention(q, k, v, tile_order_world=2), base), "tile order must not change O"
-    for variant in ({"lag_v": True}, {"sync_first_block": False}, {"persistent": False}, {"pin_softmax": True}):
+    for variant in ({"lag_v": True}, {"sync_first_block": False}, {"persistent": False}, {"pin_softmax": True},
+                    {"pin_softmax": "first_row"}):
         assert torch.equal(flash_attention(q, k, v, **variant), base), variant
     assert rel_err(flash_attention(q, k, v, overlap=False), reference_attention(q, k, v)) <= 1e-2
 
