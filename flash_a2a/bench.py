@@ -41,6 +41,8 @@ def add_arguments(p) -> None:
     p.add_argument("--replays", type=int, default=15, help="interleaved rounds")
     p.add_argument("--profile", default="h200x2", help="platform profile for G* and M*_ub")
     p.add_argument("--skip", nargs="*", default=[], help="columns to leave out")
+    p.add_argument("--no-spans", dest="spans", action="store_false",
+                   help="skip the one instrumented fused launch per shape (per-tile store spans)")
     p.add_argument("--alternate-pairs", type=int, default=24,
                    help="adjacent-launch pairs per residual for long kernels (0: off)")
     p.add_argument("--alternate-min-us", type=float, default=500.0,
@@ -262,6 +264,18 @@ def _run(rank, world, args):
             # correctness of the timed fused output against our local kernel + the NCCL All-to-All
             got = fused.launch(q, k, v, mode="piggyback", wait=True).clone()
             row["fused_exact_vs_serial"] = bool(torch.equal(got, nccl_post_a2a(ref)))
+            if args.spans:  # one instrumented launch: per-tile store spans, summarized (flash_a2a.spans)
+                from flash_a2a.spans import summarize_spans
+
+                n_tiles_all = (s // 128) * h_loc
+                sp = torch.zeros(n_tiles_all * 2, 4, dtype=torch.int64, device="cuda")
+                fused.launch(q, k, v, mode="piggyback", wait=True, spans=sp)
+                torch.cuda.synchronize()
+                fused.check()
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                row["spans"] = summarize_spans(sp.cpu().numpy(), world=world, rank=rank,
+                                               n_mb_per_rank=s // world // 128, h_loc=h_loc, batch=1,
+                                               grid=min(n_tiles_all, sms), bytes_per_row_half=64 * HEAD_DIM * 2)
             if "fa4" in base:
                 o4 = base["fa4"](q, k, v)
                 row["max_abs_diff_vs_fa4"] = float((o4.float() - ref.float()).abs().max())

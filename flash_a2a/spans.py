@@ -1,0 +1,66 @@
+"""Reading the fused kernel's per-tile instrumentation (``spans``): one row per (tile, MMA warpgroup) with the
+remote-store span of that warpgroup's 64-row half: (globaltimer start, end, clock64 start, end).
+
+``summarize_spans`` turns a dump into what the Burst–Gap model talks about: the issue time of each burst
+(clock64, so sub-µs spans resolve; remote and local tiles apart, since backpressure shows up as remote issue
+time beyond the local one, eq. 7), the rounds of the persistent walk with the remote bytes each issued, and
+how long the kernel computed after its last remote burst (the drain window the tile order leaves).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flash_a2a.mapping import tile_coords
+
+DEFAULT_CLOCK_GHZ = 1.98  # SM clock under load on the H200 (measured); used when a dump cannot calibrate it
+
+
+def _pct(x: np.ndarray) -> dict:
+    if x.size == 0:
+        return {}
+    q = np.percentile(x, [50, 90, 99, 100])
+    return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2]), "max": float(q[3]), "n": int(x.size)}
+
+
+def summarize_spans(spans, *, world: int, rank: int, n_mb_per_rank: int, h_loc: int, batch: int, grid: int,
+                    bytes_per_row_half: int, warpgroups: int = 2) -> dict:
+    """Summary of one instrumented launch. ``spans``: (n_tiles * warpgroups, 4) int64 array (numpy or a CPU
+    tensor); ``bytes_per_row_half``: bytes one warpgroup stores per tile (64 rows x d x element size)."""
+    a = np.asarray(spans, dtype=np.int64)
+    n_tiles = n_mb_per_rank * world * h_loc * batch
+    if a.ndim != 2 or a.shape[1] != 4 or a.shape[0] < n_tiles * warpgroups:
+        raise ValueError(f"spans must be ({n_tiles * warpgroups}, 4), got {tuple(a.shape)}")
+    a = a[: n_tiles * warpgroups]
+    if (a[:, 0] <= 0).any() or (a[:, 1] < a[:, 0]).any() or (a[:, 3] < a[:, 2]).any():
+        raise ValueError("spans hold unwritten or non-monotone rows: was the launch instrumented and complete?")
+    gt0, gt1, ck0, ck1 = (a[:, i].astype(np.float64) for i in range(4))
+    # Clock rate from the longest spans, where the 32 ns globaltimer step is small against the span.
+    long = (gt1 - gt0) >= 2000
+    clock = float(np.median((ck1 - ck0)[long] / (gt1 - gt0)[long])) if long.sum() >= 8 else DEFAULT_CLOCK_GHZ
+    issue_us = (ck1 - ck0) / clock / 1e3
+    tiles = np.repeat(np.arange(n_tiles), warpgroups)
+    dest = np.array([tile_coords(int(t), world, n_mb_per_rank, h_loc, rank, n_tiles, grid)[3] for t in range(n_tiles)])
+    remote = np.repeat(dest != rank, warpgroups)
+    rounds = tiles // grid
+    t_begin = gt0.min()
+    kernel_last_store_end = float(gt1.max() - t_begin) / 1e3
+    per_round = []
+    for k in range(int(rounds.max()) + 1):
+        sel = rounds == k
+        rem = sel & remote
+        per_round.append({"round": k, "tiles": int(sel.sum() // warpgroups),
+                          "remote_MiB": float(rem.sum() * bytes_per_row_half / (1 << 20)),
+                          "first_issue_us": float(gt0[sel].min() - t_begin) / 1e3,
+                          "last_issue_end_us": float(gt1[sel].max() - t_begin) / 1e3})
+    last_remote_end = float(gt1[remote].max() - t_begin) / 1e3 if remote.any() else None
+    return {
+        "clock_ghz": clock,
+        "issue_us_remote": _pct(issue_us[remote]),
+        "issue_us_local": _pct(issue_us[~remote]),
+        "rounds": per_round,
+        "last_store_end_us": kernel_last_store_end,
+        "last_remote_store_end_us": last_remote_end,
+        # compute left after the last remote burst: the window its stores drain in before the kernel ends
+        "drain_window_after_last_remote_us": (kernel_last_store_end - last_remote_end
+                                              if last_remote_end is not None else None),
+    }

@@ -1,0 +1,53 @@
+"""The span reader on synthetic dumps built from the fused kernel's own tile walk (random shapes, clocks
+and issue times), so nothing here is a recorded result."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from flash_a2a.mapping import tile_coords
+from flash_a2a.spans import summarize_spans
+
+
+def _dump(world, rank, n_mb, h_loc, batch, grid, clock_ghz, t_tile_us, remote_issue_us, local_issue_us):
+    n_tiles = n_mb * world * h_loc * batch
+    rows = []
+    for t in range(n_tiles):
+        dest = tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid)[3]
+        issue = remote_issue_us if dest != rank else local_issue_us
+        for wg in range(2):
+            start_ns = 1_000_000 + ((t // grid) + 1) * t_tile_us * 1e3 + wg * 300
+            end_ns = start_ns + issue * 1e3
+            rows.append([int(start_ns), int(end_ns), int(start_ns * clock_ghz), int(end_ns * clock_ghz)])
+    return np.array(rows, dtype=np.int64)
+
+
+def test_summary_separates_remote_and_local_issue_and_counts_rounds():
+    rng = random.Random()
+    world, rank = 2, rng.randrange(2)
+    n_mb, h_loc, batch, grid = rng.randint(2, 6), rng.randint(1, 3), 1, rng.randint(3, 9)
+    clock = rng.uniform(1.5, 2.0)
+    rem, loc = rng.uniform(2.5, 5.0), rng.uniform(0.2, 0.5)
+    spans = _dump(world, rank, n_mb, h_loc, batch, grid, clock, 50.0, rem, loc)
+    s = summarize_spans(spans, world=world, rank=rank, n_mb_per_rank=n_mb, h_loc=h_loc, batch=batch, grid=grid,
+                        bytes_per_row_half=16384)
+    assert s["clock_ghz"] == pytest.approx(clock, rel=0.02)
+    assert s["issue_us_remote"]["p50"] == pytest.approx(rem, rel=0.03)
+    assert s["issue_us_local"]["p50"] == pytest.approx(loc, rel=0.1)
+    n_tiles = n_mb * world * h_loc * batch
+    assert len(s["rounds"]) == (n_tiles - 1) // grid + 1
+    assert sum(r["tiles"] for r in s["rounds"]) == n_tiles
+    assert sum(r["remote_MiB"] for r in s["rounds"]) == pytest.approx(n_tiles / world * 2 * 16384 / (1 << 20))
+    # the walk ends on local tiles, so the last round issues no remote bytes when it is short enough
+    if n_tiles - (n_tiles - 1) // grid * grid <= n_tiles // world:
+        assert s["rounds"][-1]["remote_MiB"] == 0 and s["drain_window_after_last_remote_us"] > 0
+
+
+def test_bad_dumps_are_rejected():
+    spans = np.zeros((8, 4), dtype=np.int64)
+    with pytest.raises(ValueError, match="unwritten"):
+        summarize_spans(spans, world=2, rank=0, n_mb_per_rank=1, h_loc=2, batch=1, grid=4, bytes_per_row_half=1)
+    with pytest.raises(ValueError, match="must be"):
+        summarize_spans(spans[:3], world=2, rank=0, n_mb_per_rank=1, h_loc=2, batch=1, grid=4, bytes_per_row_half=1)
