@@ -17,9 +17,12 @@ def apply_safe_env() -> None:
 
 
 @contextmanager
-def process_group(rank: int, world: int, init_file: str, backend: str = "nccl"):
+def process_group(rank: int, world: int, init_file: str, backend: str = "nccl", timeout_s: float = 300.0):
     """Join a ``world``-rank group through a file rendezvous as ``rank`` (one GPU per rank for NCCL) and
-    leave it on exit."""
+    leave it on exit. Collectives time out after ``timeout_s`` (torch's default is 10 minutes, longer than a
+    device call): a rank stuck on a peer that failed becomes an error instead of a hang."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -28,7 +31,8 @@ def process_group(rank: int, world: int, init_file: str, backend: str = "nccl"):
     if backend == "nccl":
         torch.cuda.set_device(rank)
         kwargs["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     try:
         yield dist.group.WORLD
     except BaseException:
