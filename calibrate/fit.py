@@ -8,6 +8,7 @@ Measurements are dicts ``{"mode": "rate"|"gap"|"isolated", "target": "remote"|"l
   delivered aggregate period (``t_period_agg_us``) where recorded, else the per-producer period.
 - T_iss0(K, V): the recovered plateau of each remote FMA-gap curve (runs whose gap is at least
   ``plateau_factor`` x V/R), plus isolated remote bursts that the local control shows free of backpressure.
+- T_lat (eq. 17, in ``fit_quality``): completion minus issue minus V/R of the smallest isolated bursts.
 - Q(K): isolated remote bursts above the knee (issue time beyond the local control's) satisfy eq. 7,
   T_iss = (V - Q)/R, so Q = V - R T_iss; the median over those points. With no point above the knee,
   Q is only bounded below and the fit says so.
@@ -128,6 +129,15 @@ def fit_capacity(measurements, drain_rate: float) -> tuple[list[CapacityPoint], 
     return points, detail
 
 
+def fit_completion_latency(measurements, drain_rate: float, max_drain_us: float = 0.5) -> float | None:
+    """T_lat of eq. 17: the fixed part of remote completion, from isolated remote bursts small enough that
+    draining them takes under ``max_drain_us``: median of (completion − issue − V/R). None without any."""
+    vals = [_m(m)["completion_us"] - _m(m)["t_iss_us"] - _m(m)["volume_bytes"] / drain_rate
+            for m in _select(measurements, "isolated")
+            if _m(m).get("completion_us") is not None and _m(m)["volume_bytes"] / drain_rate <= max_drain_us]
+    return float(np.median(vals)) if vals else None
+
+
 def _rel(pred, meas):
     return abs(pred - meas) / meas if meas > 0 else float("nan")
 
@@ -196,5 +206,6 @@ def fit_profile(measurements, sm_count: int, provenance: dict, anchors: dict | N
         anchors=dict(anchors or {}),
     )
     rows, errors = predict(profile, measurements)
-    profile.fit_quality = {"rate_fit_points": len(used), "capacity": cap_detail, "prediction_errors": errors}
+    profile.fit_quality = {"rate_fit_points": len(used), "capacity": cap_detail, "prediction_errors": errors,
+                           "completion_latency_us": fit_completion_latency(measurements, rate)}
     return FitResult(profile=profile, rate_points=used, predictions=rows, errors=errors)
