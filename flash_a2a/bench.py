@@ -41,6 +41,8 @@ def add_arguments(p) -> None:
     p.add_argument("--replays", type=int, default=15, help="interleaved rounds")
     p.add_argument("--profile", default="h200x2", help="platform profile for G* and M*_ub")
     p.add_argument("--skip", nargs="*", default=[], help="columns to leave out")
+    p.add_argument("--replot", metavar="JSON", default=None,
+                   help="recompute the model columns of a saved result and redraw its figure (no GPU)")
     p.add_argument("--no-spans", dest="spans", action="store_false",
                    help="skip the one instrumented fused launch per shape (per-tile store spans)")
     p.add_argument("--alternate-pairs", type=int, default=24,
@@ -192,7 +194,6 @@ def _baselines():
 def _run(rank, world, args):
     import torch
 
-    from calibrate import model
     from calibrate.profile import resolve_profile
     from flash_a2a.a2a import SymmetricUlyssesA2A, nccl_post_a2a
     from flash_a2a.api import FusedAttentionA2A, flash_attention, pre_attention_a2a
@@ -315,12 +316,8 @@ def _run(rank, world, args):
                     e_res = row.get("fused_E_res_us")
                     row["hiding_ratio"] = (1.0 - e_res / exposed
                                            if e_res is not None and exposed and exposed > 0 else None)
-                k_prod = grid
-                v_burst = k_prod * 128 * HEAD_DIM * 2
-                t0 = float(profile.t_iss0(k_prod, v_burst))
-                row["model_G_star_us"] = float(model.recovery_gap(v_burst, t0, profile.drain_rate))
-                row["model_M_star_ub"] = float(model.m_star_ub(v_burst, t0, profile.drain_rate,
-                                                               row["sigma_us_per_kv_tile"], 128))
+                row.update(model_predictions(row, profile,
+                                             torch.cuda.get_device_properties(0).multi_processor_count))
             row["round_times"] = {n: [round(x, 3) for x in ts] for n, ts in times.items()}  # µs, this rank's
             rows.append(row)
             if rank == 0:
@@ -343,6 +340,55 @@ def _write(rows, base, args) -> None:
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     plot(out, os.path.splitext(args.out)[0] + ".png")
+
+
+def model_predictions(row: dict, profile, sm_count: int) -> dict:
+    """The two prior predictions of section 4.3 for one row, from the platform profile and the row's
+    measured Q-loop time per KV tile (sigma), without refitting: the X-Stage drain residual
+    E_drain = N_t [dt(M) - G_QK]+ (eqs. 18-19; zero for M >= M*_ub) and the completion-coupled
+    counterfactual E_cc = N_t [V/R + T_lat - T_cover]+ (eq. 17), for the worst case of aligned output waves
+    (V = K x 32 KiB, K = grid). N_t: output-tile waves per CTA; G_QK = T_cover: one QK GEMM of a KV step,
+    taken as half of sigma (QK and PV are equal GEMMs)."""
+    from calibrate import model
+
+    s, h_loc = row["seq_len"], row["heads_per_rank"]
+    sigma = row["sigma_us_per_kv_tile"]
+    n_tiles = (s // 128) * h_loc
+    grid = min(n_tiles, sm_count)
+    n_waves = n_tiles / grid
+    v = grid * 128 * HEAD_DIM * 2
+    r = profile.drain_rate
+    t0 = float(profile.t_iss0(grid, v))
+    g_qk = sigma / 2
+    g_qloop = float(model.qloop_gap_lower_bound(s, sigma, 128))
+    stall = float(model.piggyback_stall(g_qloop, v, t0, r))
+    out = {"model_G_star_us": float(model.recovery_gap(v, t0, r)),
+           "model_M_star_ub": float(model.m_star_ub(v, t0, r, sigma, 128)),
+           "model_E_drain_us": float(model.drain_residual(n_waves, stall, g_qk))}
+    t_lat = (profile.fit_quality or {}).get("completion_latency_us")
+    if t_lat is not None:
+        dt_cc = float(model.completion_coupled_stall(v, r, t_lat, g_qk))
+        out.update(model_T_lat_us=float(t_lat),
+                   model_E_cc_us=float(model.completion_coupled_exposure(n_waves, dt_cc)))
+    return out
+
+
+def replot(path: str, sm_count: int = 132) -> str:
+    """Recompute the model columns of a saved result (its profile, no GPU) and redraw its figure."""
+    from calibrate.profile import resolve_profile
+
+    with open(path) as f:
+        result = json.load(f)
+    profile = resolve_profile(result.get("profile", "h200x2"))
+    for row in result["rows"]:
+        if row.get("sigma_us_per_kv_tile"):
+            row.update(model_predictions(row, profile, sm_count))
+    result["slope_test"] = slope_test(result["rows"])
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    png = os.path.splitext(path)[0] + ".png"
+    plot(result, png)
+    return png
 
 
 def summary_line(row: dict) -> str:
@@ -401,6 +447,12 @@ def plot(result: dict, path: str) -> None:
             ys = [r[key + "_E_res_us"] / r["fa_ours_us"] * 100
                   if r.get(key + "_E_res_us") is not None and r.get("fa_ours_us") else math.nan for r in rows]
             ax.plot(m, ys, style, label=label)
+        for key, label, color in (("model_E_drain_us", "X-Stage prediction, drain residual (eqs. 18-19)", "tab:blue"),
+                                  ("model_E_cc_us", "completion-coupled prediction (eq. 17)", "tab:orange")):
+            ys = [r[key] / r["fa_ours_us"] * 100 if r.get(key) is not None and r.get("fa_ours_us") else math.nan
+                  for r in rows]
+            if any(not math.isnan(y) for y in ys):
+                ax.plot(m, ys, "--", lw=1.2, color=color, alpha=0.8, label=label)
         serial = [(r.get("serial_ours_nccl_excess_us") or math.nan) / r["fa_ours_us"] * 100 for r in rows]
         ax.plot(m, serial, "k--", lw=0.8, label="serial (ours + NCCL A2A) − FA")
         mstar = [r.get("model_M_star_ub") for r in rows if r.get("model_M_star_ub")]
@@ -413,13 +465,20 @@ def plot(result: dict, path: str) -> None:
         ax.set_title(f"{h_loc} heads per rank, P = {rows[0]['world']}, d = 128")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("FlashAttention–A2A residual beyond FA alone (sender-side; model: drain residual 0 for M ≥ M*_ub)")
+    fig.suptitle("FlashAttention–A2A residual beyond FA alone (sender-side), with the two prior model predictions")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def run(args) -> int:
+    if args.replot:
+        try:
+            print("wrote", replot(args.replot))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"xstage: error: cannot replot {args.replot}: {e}", file=sys.stderr)
+            return 2
+        return 0
     import torch
 
     from cute_kernels.dist import spawn_ranks

@@ -60,3 +60,31 @@ def test_pair_stats_recovers_a_small_residual_under_drift():
     assert st["q1_us"] <= st["median_us"] <= st["q3_us"] and st["pairs"] == n
     with pytest.raises(ValueError):
         bench.pair_stats([1.0], [])
+
+
+def test_model_predictions_follow_eqs_17_to_20(tmp_path):
+    """E_drain vanishes above M*_ub and the completion-coupled E_cc grows with the number of output waves,
+    from the shipped H200 profile (with its fitted T_lat) and a random sigma; replot redraws a saved result."""
+    from calibrate.profile import resolve_profile
+
+    profile = resolve_profile("h200x2")
+    assert profile.fit_quality.get("completion_latency_us") is not None
+    sigma = random.uniform(0.8, 2.5)
+    rows = []
+    for h_loc in (3, 12):
+        for s in (8192, 16384, 65536):
+            row = {"seq_len": s, "heads_per_rank": h_loc, "world": 2, "sigma_us_per_kv_tile": sigma,
+                   "fa_ours_us": 1000.0, "fused_E_res_us": 1.0, "fused_cc_minus_fused_us": 2.0,
+                   "tiles_per_cta": (s // 128) * h_loc / 132}
+            row.update(bench.model_predictions(row, profile, 132))
+            rows.append(row)
+    for r in rows:
+        assert r["seq_len"] >= r["model_M_star_ub"] and r["model_E_drain_us"] == 0.0
+    # aligned waves of 132 x 32 KiB: E_cc per wave is the same at every M, so E_cc scales with the waves
+    per_wave = {r["model_E_cc_us"] / r["tiles_per_cta"] for r in rows if r["tiles_per_cta"] >= 1}
+    assert max(per_wave) == pytest.approx(min(per_wave), rel=1e-9) and min(per_wave) > 0
+    path = tmp_path / "fa.json"
+    path.write_text(json.dumps({"rows": rows, "profile": "h200x2"}))
+    png = bench.replot(str(path))
+    assert (tmp_path / "fa.png").stat().st_size > 10_000 and png.endswith("fa.png")
+    assert "slope_test" in json.loads(path.read_text())
