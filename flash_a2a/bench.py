@@ -384,6 +384,13 @@ def replot(path: str, sm_count: int = 132) -> str:
         if row.get("sigma_us_per_kv_tile"):
             row.update(model_predictions(row, profile, sm_count))
     result["slope_test"] = slope_test(result["rows"])
+    import datetime
+
+    from cute_kernels.runtime import git_commit
+
+    # the measurement's provenance stays; the recomputation of the model columns is recorded beside it
+    result["replotted"] = {"git_commit": git_commit(), "date": datetime.date.today().isoformat(),
+                           "command": f"xstage bench flash-a2a --replot {path}"}
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     png = os.path.splitext(path)[0] + ".png"
