@@ -27,7 +27,8 @@ def _dump(world, rank, n_mb, h_loc, batch, grid, clock_ghz, t_tile_us, remote_is
 def test_summary_separates_remote_and_local_issue_and_counts_rounds():
     rng = random.Random()
     world, rank = 2, rng.randrange(2)
-    n_mb, h_loc, batch, grid = rng.randint(2, 6), rng.randint(1, 3), 1, rng.randint(3, 9)
+    # at least 8 remote rows with multi-µs spans, so the dump calibrates its own clock
+    n_mb, h_loc, batch, grid = rng.randint(4, 8), rng.randint(1, 3), 1, rng.randint(3, 9)
     clock = rng.uniform(1.5, 2.0)
     rem, loc = rng.uniform(2.5, 5.0), rng.uniform(0.2, 0.5)
     spans = _dump(world, rank, n_mb, h_loc, batch, grid, clock, 50.0, rem, loc)
