@@ -130,6 +130,37 @@ class BurstBench:
         return run_metrics(records, p.bytes_per_producer, isolated=p.mode == "isolated",
                            delivered=host[n:, :2]).to_dict()
 
+    def _next_tag(self, p: Point, buffer_bytes: int) -> int:
+        """Validate ``p`` for a destination region of ``buffer_bytes`` and return the run's fresh tag."""
+        validate_point(p, self.sm_count, buffer_bytes, self.threads)
+        if p.bursts > self.max_bursts:
+            raise ValueError(f"bursts={p.bursts} exceeds max_bursts={self.max_bursts}")
+        self.tag += 1
+        return self.tag
+
+    def _receive(self, flag: torch.Tensor, expected: int, words: torch.Tensor, tag: int, p: Point, sender: int,
+                 producers=None) -> str:
+        """Receiver side: wait (bounded) until ``flag[0]`` reaches ``expected``, then verify the words the
+        sender's ``producers`` (all by default) wrote. Returns the failure, or "" when all arrived intact."""
+        errors = new_error_word(self.device)
+        self.flag_wait(flag, errors, expected, self.timeout_ns)
+        torch.cuda.synchronize()
+        try:
+            check_error_word(errors, f"completion flag from rank {sender}")
+            bad = expected_mismatches(words, tag, p, producers)
+        except XStageKernelError as e:
+            return str(e)
+        return f"receiver {self.rank} found {bad} wrong words from sender {sender}" if bad else ""
+
+    def _agree(self, failure: str, what: str) -> None:
+        """Every rank learns whether any rank failed (all ranks call this once per run, in lock step)."""
+        status = torch.tensor([1 if failure else 0], device=self.device)
+        dist.all_reduce(status, group=self.group)
+        if failure:
+            raise RuntimeError(f"{what}: {failure}")
+        if int(status.item()):
+            raise RuntimeError(f"{what} failed on another rank")
+
     def run_all_peers(self, p: Point) -> dict:
         """All-to-all injection: every rank sends ``p`` at once, its producers dealt over all its peers.
         Returns this rank's measurement (as a sender); raises on any rank's failure."""
@@ -138,11 +169,7 @@ class BurstBench:
         if self.world < 2:
             raise ValueError("all-to-all injection needs two or more ranks")
         region = self.buffer_bytes
-        validate_point(p, self.sm_count, region, self.threads)
-        if p.bursts > self.max_bursts:
-            raise ValueError(f"bursts={p.bursts} exceeds max_bursts={self.max_bursts}")
-        self.tag += 1
-        tag = self.tag
+        tag = self._next_tag(p, region)
         peers = peer_order(self.rank, self.world)
         dst = self._ptrs(*(self.buf_hdl.buffer_ptrs[j] + self.rank * region for j in peers))
         done = self._ptrs(*(self.flag_hdl.buffer_ptrs[j] + 4 * (1 + self.rank) for j in peers))
@@ -163,32 +190,14 @@ class BurstBench:
             if not mine:
                 continue
             self.a2a_expected[sender] += len(mine)
-            errors = new_error_word(self.device)
-            self.flag_wait(self.flag[1 + sender:], errors, self.a2a_expected[sender], self.timeout_ns)
-            torch.cuda.synchronize()
-            try:
-                check_error_word(errors, f"all-to-all completion flag from rank {sender}")
-                words = self.buf[sender * region // 4:(sender + 1) * region // 4]
-                bad = expected_mismatches(words, tag, p, mine)
-                if bad:
-                    failure = f"receiver {self.rank} found {bad} wrong words from sender {sender}"
-            except XStageKernelError as e:
-                failure = str(e)
-        status = torch.tensor([1 if failure else 0], device=self.device)
-        dist.all_reduce(status, group=self.group)
-        if failure:
-            raise RuntimeError(f"{p} all-to-all on rank {self.rank}: {failure}")
-        if int(status.item()):
-            raise RuntimeError(f"{p} all-to-all failed on another rank")
+            failure = self._receive(self.flag[1 + sender:], self.a2a_expected[sender],
+                                    self.buf[sender * region // 4:(sender + 1) * region // 4], tag, p, sender, mine)
+        self._agree(failure, f"{p} all-to-all on rank {self.rank}")
         return result
 
     def run_point(self, p: Point, sender: int, receiver: int) -> dict | None:
         """Run one point; returns the sender's measurement dict (None on other ranks)."""
-        validate_point(p, self.sm_count, self.buffer_bytes, self.threads)
-        if p.bursts > self.max_bursts:
-            raise ValueError(f"bursts={p.bursts} exceeds max_bursts={self.max_bursts}")
-        self.tag += 1
-        tag = self.tag
+        tag = self._next_tag(p, self.buffer_bytes)
         remote = p.target == "remote"
         result = None
         failure = ""
@@ -212,20 +221,6 @@ class BurstBench:
                     failure = failure or f"local control lost {bad} words"
         if remote and self.rank == receiver:
             self.flag_expected += p.producers
-            errors = new_error_word(self.device)
-            self.flag_wait(self.flag, errors, self.flag_expected, self.timeout_ns)
-            torch.cuda.synchronize()
-            try:
-                check_error_word(errors, f"completion flag from rank {sender}")
-                bad = expected_mismatches(self.buf, tag, p)
-                if bad:
-                    failure = f"receiver {receiver} found {bad} wrong words from sender {sender}"
-            except XStageKernelError as e:
-                failure = str(e)
-        status = torch.tensor([1 if failure else 0], device=self.device)
-        dist.all_reduce(status, group=self.group)
-        if failure:
-            raise RuntimeError(f"{p} from rank {sender} to {receiver}: {failure}")
-        if int(status.item()):
-            raise RuntimeError(f"{p} from rank {sender} to {receiver} failed on another rank")
+            failure = self._receive(self.flag, self.flag_expected, self.buf, tag, p, sender)
+        self._agree(failure, f"{p} from rank {sender} to {receiver}")
         return result
