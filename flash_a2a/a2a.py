@@ -21,7 +21,7 @@ _KERNELS: dict = {}
 
 
 def _compiled(kind, *key):
-    """Compiled kernels by kind: "scatter" (vec_per_row, tile_m[, threads, direction]) or "wait" ()."""
+    """Compiled kernels by kind: "scatter" (vec_per_row, tile_m, threads, direction) or "wait" ()."""
     if (kind, key) not in _KERNELS:
         from cutlass.runtime import make_fake_stream
 
@@ -89,23 +89,26 @@ class SymmetricUlyssesA2A:
         b, s_loc, heads, d = x.shape
         check_ulysses_shapes(s_loc * self.world, heads, self.world, self.tile_m)
 
+    def _scatter(self, x: torch.Tensor, key, out_shape, direction: str, seq: int, h_loc: int, n_tiles: int):
+        """Launch the scatter of ``x`` in ``direction`` into the buffer of ``key`` (allocated on first use),
+        then the receiver's bounded wait; returns the buffer."""
+        if key not in self.states:
+            self.states[key] = SymmetricOutput(self.group, out_shape, x.dtype, x.device)
+        st = self.states[key]
+        vec_per_row = x.shape[3] * x.element_size() // 16
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        grid = min(n_tiles, self.ctas_per_sm * sms)
+        _compiled("scatter", vec_per_row, self.tile_m, 128, direction)(
+            x.view(torch.int32).view(-1, 4), st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
+            x.shape[0], seq, h_loc, self.rank, self.world, grid, self.timeout_ns)
+        st.wait(self.world, self.timeout_ns)
+        return st.out
+
     def __call__(self, o: torch.Tensor) -> torch.Tensor:
         self.validate(o)
         b, s, h_loc, d = o.shape
-        key = (b, s, h_loc, d, o.dtype)
-        if key not in self.states:
-            self.states[key] = SymmetricOutput(self.group, (b, s // self.world, h_loc * self.world, d), o.dtype,
-                                               o.device)
-        st = self.states[key]
-        vec_per_row = d * o.element_size() // 16
-        n_tiles = (s // self.tile_m) * h_loc * b
-        sms = torch.cuda.get_device_properties(o.device).multi_processor_count
-        grid = min(n_tiles, self.ctas_per_sm * sms)
-        _compiled("scatter", vec_per_row, self.tile_m)(
-            o.view(torch.int32).view(-1, 4), st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
-            b, s, h_loc, self.rank, self.world, grid, self.timeout_ns)
-        st.wait(self.world, self.timeout_ns)
-        return st.out
+        return self._scatter(o, (b, s, h_loc, d, o.dtype), (b, s // self.world, h_loc * self.world, d), "post",
+                             s, h_loc, (s // self.tile_m) * h_loc * b)
 
     def pre(self, x: torch.Tensor, slot: int = 0) -> torch.Tensor:
         """The pre-attention All-to-All: this rank's (b, S/P, H, d) -> its (b, S, H/P, d) heads of the whole
@@ -113,20 +116,9 @@ class SymmetricUlyssesA2A:
         the next call with that slot and shape."""
         self.validate_pre(x)
         b, s_loc, heads, d = x.shape
-        key = ("pre", slot, b, s_loc, heads, d, x.dtype)
-        if key not in self.states:
-            self.states[key] = SymmetricOutput(self.group, (b, s_loc * self.world, heads // self.world, d), x.dtype,
-                                               x.device)
-        st = self.states[key]
-        vec_per_row = d * x.element_size() // 16
-        n_tiles = (s_loc // self.tile_m) * heads * b
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        grid = min(n_tiles, self.ctas_per_sm * sms)
-        _compiled("scatter", vec_per_row, self.tile_m, 128, "pre")(
-            x.view(torch.int32).view(-1, 4), st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
-            b, s_loc, heads // self.world, self.rank, self.world, grid, self.timeout_ns)
-        st.wait(self.world, self.timeout_ns)
-        return st.out
+        h_loc = heads // self.world
+        return self._scatter(x, ("pre", slot, b, s_loc, heads, d, x.dtype), (b, s_loc * self.world, h_loc, d),
+                             "pre", s_loc, h_loc, (s_loc // self.tile_m) * heads * b)
 
     def check(self) -> None:
         """Raise if any launch so far hit a bounded-wait timeout (synchronizes)."""
