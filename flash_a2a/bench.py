@@ -152,8 +152,7 @@ def _paired_excess(times: dict, name: str, base: str, group) -> float | None:
 
     if name not in times or base not in times:
         return None
-    diffs = sorted(a - b for a, b in zip(times[name], times[base]))
-    d = torch.tensor([diffs[len(diffs) // 2]], device="cuda", dtype=torch.float64)
+    d = torch.tensor([pair_stats(times[base], times[name])["median_us"]], device="cuda", dtype=torch.float64)
     dist.all_reduce(d, op=dist.ReduceOp.MAX, group=group)
     return float(d[0])
 
