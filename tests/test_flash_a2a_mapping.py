@@ -96,37 +96,36 @@ def test_tile_order_ends_on_local_tiles_and_interleaves_before(world):
             assert sorted(dests[g:g + world]) == list(range(world))
 
 
+def _walk(inputs, out_shape, n_tiles, tile_fn, destination_fn, reference):
+    """Run a scatter tile walk on CPU tensors (every rank's tiles into NaN-poisoned outputs), check each
+    tile's destination against the element-level mapping, and the result against the slicing reference."""
+    world = len(inputs)
+    got = [torch.full(out_shape, float("nan")) for _ in range(world)]
+    for rank in range(world):
+        for t in range(n_tiles):
+            row0, h, bb, j, drow0, dh, tile = tile_fn(t, rank)
+            assert (j, drow0, dh) == destination_fn(row0, h, rank)
+            got[j][bb, drow0:drow0 + tile, dh] = inputs[rank][bb, row0:row0 + tile, h]
+    for j, ref in enumerate(reference(inputs)):
+        assert torch.equal(got[j], ref)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_scatter_tile_walks_land_like_the_reference_all_to_alls(world):
     """Both directions of the scatter kernel's tile walk and index math (flash_a2a.mapping.post_tile /
     pre_tile), run on CPU tensors with random shapes, against the slicing references."""
     rng = random.Random()
     tile, b, h_loc, d = 4, rng.randint(1, 2), rng.randint(1, 3), 2
-    n_mb_rank = rng.randint(1, 3)
-    s = world * n_mb_rank * tile
+    s = world * rng.randint(1, 3) * tile
     s_loc, heads = s // world, h_loc * world
     # post: (b, S, H/P, d) -> (b, S/P, H, d)
-    outs = [torch.randn(b, s, h_loc, d) for _ in range(world)]
-    got = [torch.full((b, s_loc, heads, d), float("nan")) for _ in range(world)]
-    n_mb = s // tile
-    for rank in range(world):
-        for t in range(n_mb * h_loc * b):
-            row0, h, bb, j, drow0, dh = post_tile(t, n_mb, h_loc, rank, s, world, tile)
-            assert (j, drow0, dh) == destination(row0, h, rank, s, heads, world)
-            got[j][bb, drow0:drow0 + tile, dh] = outs[rank][bb, row0:row0 + tile, h]
-    for j, ref in enumerate(reference_post_a2a(outs)):
-        assert torch.equal(got[j], ref)
+    _walk([torch.randn(b, s, h_loc, d) for _ in range(world)], (b, s_loc, heads, d), (s // tile) * h_loc * b,
+          lambda t, rank: (*post_tile(t, s // tile, h_loc, rank, s, world, tile), tile),
+          lambda row, h, rank: destination(row, h, rank, s, heads, world), reference_post_a2a)
     # pre: (b, S/P, H, d) -> (b, S, H/P, d)
-    ins = [torch.randn(b, s_loc, heads, d) for _ in range(world)]
-    got = [torch.full((b, s, h_loc, d), float("nan")) for _ in range(world)]
-    n_mb = s_loc // tile
-    for rank in range(world):
-        for t in range(n_mb * heads * b):
-            row0, h, bb, j, drow0, dh = pre_tile(t, n_mb, h_loc, rank, s_loc, world, tile)
-            assert (j, drow0, dh) == pre_destination(row0, h, rank, s_loc, heads, world)
-            got[j][bb, drow0:drow0 + tile, dh] = ins[rank][bb, row0:row0 + tile, h]
-    for j, ref in enumerate(reference_pre_a2a(ins)):
-        assert torch.equal(got[j], ref)
+    _walk([torch.randn(b, s_loc, heads, d) for _ in range(world)], (b, s, h_loc, d), (s_loc // tile) * heads * b,
+          lambda t, rank: (*pre_tile(t, s_loc // tile, h_loc, rank, s_loc, world, tile), tile),
+          lambda row, h, rank: pre_destination(row, h, rank, s_loc, heads, world), reference_pre_a2a)
 
 
 def test_reference_pre_and_post_all_to_alls_are_inverse():
