@@ -33,18 +33,24 @@ def process_group(rank: int, world: int, init_file: str, backend: str = "nccl", 
         kwargs["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    yield dist.group.WORLD
+    # Only on success: after a failure, destroying the group would wait on peers that are blocked in a
+    # collective for this rank (spawn_ranks ends a failed rank's process at once instead).
+    dist.destroy_process_group()
+
+
+def _rank_main(rank: int, fn, *args) -> None:
+    """A spawned rank: run ``fn``; on failure print the traceback and exit at once, so the spawner stops the
+    other ranks instead of this one waiting to tear down a group its peers are blocked in."""
     try:
-        yield dist.group.WORLD
+        fn(rank, *args)
     except BaseException:
-        # A rank that fails must exit at once so the spawner can stop the others; destroying the group here
-        # would wait on peers that are blocked in a collective for this rank.
         import sys
         import traceback
 
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-    dist.destroy_process_group()
 
 
 def spawn_ranks(fn, world: int, *args) -> None:
@@ -55,4 +61,4 @@ def spawn_ranks(fn, world: int, *args) -> None:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(fn, args=(world, os.path.join(tmp, "pg"), *args), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(fn, world, os.path.join(tmp, "pg"), *args), nprocs=world, join=True)
