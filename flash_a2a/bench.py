@@ -41,6 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--replays", type=int, default=15, help="interleaved rounds")
     p.add_argument("--profile", default="h200x2", help="platform profile for G* and M*_ub")
     p.add_argument("--skip", nargs="*", default=[], help="columns to leave out")
+    p.add_argument("--variants", type=json.loads, default={}, metavar="JSON",
+                   help='extra FA-only columns fa_ours_<name>, as {"name": {mainloop knobs}}, e.g. '
+                        '\'{"pin48": {"pin_softmax": 48}}\' (in the fused tile order)')
     p.add_argument("--replot", metavar="JSON", default=None,
                    help="recompute the model columns of a saved result and redraw its figure (no GPU)")
     p.add_argument("--no-spans", dest="spans", action="store_false",
@@ -233,6 +236,9 @@ def _run(rank, world, args):
                 "fused_cc": lambda: fused.launch(q, k, v, mode="completion_coupled", wait=False),
                 "fused_visible": lambda: fused.launch(q, k, v, mode="piggyback", wait=True),
             }
+            for name, knobs in args.variants.items():
+                cols["fa_ours_" + name] = (lambda kn: lambda: flash_attention(
+                    q, k, v, out=o_ours, tile_order_world=world, **kn))(knobs)
             if "fa4" in base:
                 cols["fa4"] = lambda: base["fa4"](q, k, v)
                 cols["serial_fa4_nccl"] = lambda: nccl_post_a2a(base["fa4"](q, k, v))

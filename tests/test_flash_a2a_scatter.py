@@ -71,8 +71,8 @@ def _worker(rank, world, init_file, out):
                 outs = [a2a.pre(x, slot) for slot, x in enumerate(xs)]
                 torch.cuda.synchronize()
                 a2a.check()
-                for out, ref, x in zip(outs, refs, xs):
-                    assert torch.equal(out.cpu(), ref), ("pre mismatch", b, s_loc, h_loc, d)
+                for got, ref, x in zip(outs, refs, xs):
+                    assert torch.equal(got.cpu(), ref), ("pre mismatch", b, s_loc, h_loc, d)
                     assert torch.equal(pre_attention_a2a(x).cpu(), ref), "NCCL pre-attention reference"
                     checked += 1
         # CUDA Graph: capture one call, replay with fresh inputs copied into the static input.
