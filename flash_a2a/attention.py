@@ -121,7 +121,8 @@ class OnlineSoftmax(ParamsBase):
 class FlashAttentionA2AForward:
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", num_stages: int = 2,
                  instrument: bool = False, overlap: bool = True, lag_v: bool = False,
-                 sync_first_block: bool = True, pin_softmax: bool = False):
+                 sync_first_block: bool = True, pin_softmax: bool = False, p_first: bool = False,
+                 rescale_before_pv: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -147,6 +148,11 @@ class FlashAttentionA2AForward:
             raise ValueError(f"pin_softmax must be False, True, 'first_row' or an int in 1..64, got {pin_softmax!r}")
         self.pin_softmax = pin_softmax is not False and overlap
         self.pin_count = {True: 64, "first_row": 32}.get(pin_softmax, pin_softmax) if self.pin_softmax else 0
+        # p_first: after the PV wait convert P before rescaling O (FA4's order). rescale_before_pv: rescale O by
+        # the previous block's factor while this block's QKᵀ runs, before the PV GEMM is issued (FA4 does this
+        # only for head_dim > 128). Mainloop-order knobs, overlapped mainloop only.
+        self.p_first = p_first
+        self.rescale_before_pv = rescale_before_pv and overlap
         self.num_mma_wg = TILE_M // 64
         self.num_threads = WG_THREADS * (self.num_mma_wg + 1)
         self.vec = 128 // dtype.width  # elements per 128-bit store
@@ -371,6 +377,8 @@ class FlashAttentionA2AForward:
         softmax.update(acc_s0, True)
         tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s0).load().to(self.dtype))
         acc_o.fill(0.0)
+        pending_scale = cute.make_fragment_like(softmax.row_max, Float32)  # rescale_before_pv: not yet applied
+        pending_scale.fill(1.0)
         for _ in cutlass.range(n_kv - 1, unroll=1):
             kv_v = kv_state.clone()
             kv_state.advance()
@@ -378,6 +386,8 @@ class FlashAttentionA2AForward:
             cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
             acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
                                               wg_wait=-1)
+            if const_expr(self.rescale_before_pv):
+                softmax.rescale(acc_o, pending_scale)
             pipe_v.consumer_wait(kv_v)
             sm90_utils.gemm_w_idx(tiled_mma_pv, acc_o, tOrP, tOrVt, zero_init=False, B_idx=kv_v.index, wg_wait=-1)
             cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + other, number_of_threads=2 * WG_THREADS)
@@ -387,16 +397,24 @@ class FlashAttentionA2AForward:
             row_scale = softmax.update(acc_s, False)
             if const_expr(self.pin_softmax):
                 # ptxas sinks the exponentials below the PV wait (they are consumed after it), which takes the
-                # softmax off this warpgroup's own PV GEMM. Releasing K under a predicate that reads every
-                # row sum (always true: sums of exp2 are never below zero, and NaN compares false) makes the
-                # exponentials precede the release, and ptxas keeps the release ahead of the wait.
+                # softmax off this warpgroup's own PV GEMM. Releasing K under a predicate that reads the pinned
+                # exponentials (always true: sums of exp2 are never below zero, and NaN compares false) makes
+                # them precede the release, and ptxas keeps the release ahead of the wait.
                 total = self.pinned_sum(softmax, acc_s)
                 if not (total < Float32(0.0)):
                     pipe_k.consumer_release(kv_state)
             warpgroup.wait_group(0)  # PV done: O and P may change
             pipe_v.consumer_release(kv_v)
-            softmax.rescale(acc_o, row_scale)
-            tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s).load().to(self.dtype))
+            if const_expr(self.p_first):
+                tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s).load().to(self.dtype))
+            if const_expr(self.rescale_before_pv):
+                pending_scale.store(row_scale.load())
+            else:
+                softmax.rescale(acc_o, row_scale)
+            if const_expr(not self.p_first):
+                tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s).load().to(self.dtype))
+        if const_expr(self.rescale_before_pv):
+            softmax.rescale(acc_o, pending_scale)
         # Q is no longer read: let the producer load the next tile's Q under the last PV and the epilogue.
         pipe_q.consumer_release(q_state)
         # last block's PV
