@@ -4,8 +4,9 @@
 Columns (per M in SEQ_LENS and heads per rank in HEADS_PER_RANK; d = 128, b = 1, bf16):
   fa_ours (in the fused kernel's tile order, so E_res compares one schedule), fa_ours_plain_order,
   fa_ours_no_overlap, fa_ours_lag_v (FA3/FA4's producer order, K[n+1] before V[n], first GEMM not
-  ping-ponged), fa_ours_nonpersistent (one CTA per tile), fa_ours_pin_softmax / fa_ours_pin_first_row (all /
-  about three quarters of the exponentials held ahead of the PV wait in the SASS), fa4 (flash-attn-4's SM90 forward), cudnn (torch SDPA, cuDNN backend);
+  ping-ponged), fa_ours_nonpersistent (one CTA per tile), fa_ours_unpinned (the mainloop before
+  pin_softmax / rescale_before_pv became the default), fa_ours_pin_all (all exponentials held ahead of the PV
+  wait in the SASS), --variants (any other knobs), fa4 (flash-attn-4's SM90 forward), cudnn (torch SDPA, cuDNN backend);
   a2a_nccl (yunchang: permutes around all_to_all_single), a2a_symm (our device-initiated scatter);
   pre_a2a_nccl / pre_a2a_symm (the pre-attention All-to-All of q, k and v, each way);
   serial_fa4_nccl, serial_ours_nccl; fused (piggyback), fused_cc (completion-coupled), fused_visible.
@@ -222,10 +223,10 @@ def _run(rank, world, args):
                                                          lag_v=True, sync_first_block=False),
                 "fa_ours_nonpersistent": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
                                                                  persistent=False),
-                "fa_ours_pin_softmax": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
-                                                               pin_softmax=True),
-                "fa_ours_pin_first_row": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
-                                                                 pin_softmax="first_row"),
+                "fa_ours_unpinned": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
+                                                            pin_softmax=False, rescale_before_pv=False),
+                "fa_ours_pin_all": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
+                                                           pin_softmax=True),
                 "cudnn": lambda: base["cudnn"](q, k, v),
                 "a2a_nccl": lambda: nccl_post_a2a(o_ours),
                 "a2a_symm": lambda: a2a(o_ours),

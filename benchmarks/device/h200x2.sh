@@ -26,7 +26,7 @@ for stage in $stages; do
       # FA_ARGS overrides the default, which fits one device call (~6-7 min): 6 rounds, without the variant
       # columns already measured equal to fa_ours at 48d1e66. The JSON is rewritten after every row.
       timeout ${FA_TIMEOUT:-480} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/flash_a2a.json" \
-        ${FA_ARGS:---replays 6 --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent} 2>&1 | tee "$OUT/fa.log" ;;
+        ${FA_ARGS:---replays 6 --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all} 2>&1 | tee "$OUT/fa.log" ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)
