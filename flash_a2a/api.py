@@ -151,9 +151,11 @@ class FusedAttentionA2A:
                                                q.device)
         return self.states[key]
 
-    def launch(self, q, k, v, softmax_scale=None, mode: str = "piggyback", wait: bool = True, spans=None):
+    def launch(self, q, k, v, softmax_scale=None, mode: str = "piggyback", wait: bool = True, spans=None,
+               **variant):
         """Attention kernel (it advances the epoch itself), then the receiver's wait for every sender's data
-        (``wait=False`` leaves it out, for sender-side timing; ``settle`` later covers every earlier epoch)."""
+        (``wait=False`` leaves it out, for sender-side timing; ``settle`` later covers every earlier epoch).
+        ``variant``: mainloop knobs of ``FlashAttentionA2AForward``, for side-by-side benchmarks."""
         if mode not in MODES[1:]:
             raise ValueError(f"mode must be 'piggyback' or 'completion_coupled', got {mode!r}")
         check_qkv(q, k, v, self.world)
@@ -163,7 +165,7 @@ class FusedAttentionA2A:
         n_tiles = (s // TILE_M) * h_loc * b
         check_spans(spans, n_tiles, q.device)
         dm = _dummy(q.device)
-        _kernel(q.dtype, d, mode, spans is not None)(
+        _kernel(q.dtype, d, mode, spans is not None, **variant)(
             q, k, v, q, st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
             spans if spans is not None else dm.spans, _scale(softmax_scale, d), self.rank, self.world,
             _grid(n_tiles, q.device), self.timeout_ns)

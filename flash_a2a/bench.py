@@ -43,8 +43,9 @@ def add_arguments(p) -> None:
     p.add_argument("--profile", default="h200x2", help="platform profile for G* and M*_ub")
     p.add_argument("--skip", nargs="*", default=[], help="columns to leave out")
     p.add_argument("--variants", type=json.loads, default={}, metavar="JSON",
-                   help='extra FA-only columns fa_ours_<name>, as {"name": {mainloop knobs}}, e.g. '
-                        '\'{"pin48": {"pin_softmax": 48}}\' (in the fused tile order)')
+                   help='extra columns, as {"name": {mainloop knobs}}: fa_ours_<name> (FA-only, in the fused tile '
+                        'order), or fused_<name> where the knobs hold a "mode", e.g. '
+                        '\'{"pin48": {"pin_softmax": 48}, "pb31": {"mode": "piggyback", "pin_softmax": 31}}\'')
     p.add_argument("--replot", metavar="JSON", default=None,
                    help="recompute the model columns of a saved result and redraw its figure (no GPU)")
     p.add_argument("--no-spans", dest="spans", action="store_false",
@@ -238,8 +239,11 @@ def _run(rank, world, args):
                 "fused_visible": lambda: fused.launch(q, k, v, mode="piggyback", wait=True),
             }
             for name, knobs in args.variants.items():
-                cols["fa_ours_" + name] = (lambda kn: lambda: flash_attention(
-                    q, k, v, out=o_ours, tile_order_world=world, **kn))(knobs)
+                if "mode" in knobs:  # a fused column (sender-side, like ``fused``)
+                    cols["fused_" + name] = (lambda kn: lambda: fused.launch(q, k, v, wait=False, **kn))(knobs)
+                else:
+                    cols["fa_ours_" + name] = (lambda kn: lambda: flash_attention(
+                        q, k, v, out=o_ours, tile_order_world=world, **kn))(knobs)
             if "fa4" in base:
                 cols["fa4"] = lambda: base["fa4"](q, k, v)
                 cols["serial_fa4_nccl"] = lambda: nccl_post_a2a(base["fa4"](q, k, v))
@@ -298,7 +302,7 @@ def _run(rank, world, args):
                 n_tiles = (s // 128) * h_loc
                 grid = min(n_tiles, torch.cuda.get_device_properties(0).multi_processor_count)
                 row["sigma_us_per_kv_tile"] = t_fa * grid / (n_tiles * (s // 128))
-                for f in ("fused", "fused_cc", "fused_visible"):
+                for f in [c for c in times if c.startswith("fused") and c != "fused_cc_minus_fused"]:
                     if f + "_us" in row:
                         row[f + "_E_res_us"] = _paired_excess(times, f, "fa_ours", None)
                 row["fused_cc_minus_fused_us"] = _paired_excess(times, "fused_cc", "fused", None)
