@@ -225,7 +225,7 @@ def pre_attention_a2a(x: torch.Tensor, group=None, method: str = "nccl", slot: i
 class UlyssesAttention(torch.nn.Module):
     """Drop-in for yunchang's ``UlyssesAttention``: forward(query, key, value, ...) with q/k/v in
     (b, S/P, H, d) returns (b, S/P, H, d). Pre-attention All-to-All through our symmetric-memory scatter
-    (``pre_a2a="symm"``, the default: 1.8-2.2x faster than NCCL on 2xH200; ``"nccl"``: yunchang's), then our fused
+    (``pre_a2a="symm"``, the default: 1.9-2.3x faster than NCCL on 2xH200; ``"nccl"``: yunchang's), then our fused
     attention + post-attention All-to-All, called through the ``xstage::fused_attention_a2a`` custom op so
     torch.compile sees an opaque op. The result is a fresh tensor (safe to keep)."""
 

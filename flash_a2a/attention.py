@@ -151,7 +151,7 @@ class FlashAttentionA2AForward:
         self.pin_count = {True: 64, "first_row": 32}.get(pin_softmax, pin_softmax) if self.pin_softmax else 0
         # p_first: after the PV wait convert P before rescaling O (FA4's order). rescale_before_pv: rescale O by
         # the previous block's factor while this block's QKᵀ runs, before the PV GEMM is issued (FA4 does this
-        # only for head_dim > 128); on by default: with first_row another 1-2.5% on H200 (0.97-0.99x FA4).
+        # only for head_dim > 128); on by default: with first_row another 0.1-2.6% on H200.
         # p_first gives the same SASS as the default. Mainloop-order knobs, overlapped mainloop only.
         self.p_first = p_first
         self.rescale_before_pv = rescale_before_pv and overlap

@@ -48,6 +48,8 @@ def add_arguments(p) -> None:
                         '\'{"pin48": {"pin_softmax": 48}, "pb31": {"mode": "piggyback", "pin_softmax": 31}}\'')
     p.add_argument("--replot", metavar="JSON", default=None,
                    help="recompute the model columns of a saved result and redraw its figure (no GPU)")
+    p.add_argument("--table", metavar="JSON", default=None,
+                   help="print a saved result as the README's Markdown table (no GPU)")
     p.add_argument("--no-spans", dest="spans", action="store_false",
                    help="skip the one instrumented fused launch per shape (per-tile store spans)")
     p.add_argument("--alternate-pairs", type=int, default=24,
@@ -338,7 +340,10 @@ def _run(rank, world, args):
 def _write(rows, base, args) -> None:
     from cute_kernels.runtime import provenance
 
-    out = {"provenance": provenance("xstage bench flash-a2a " + " ".join(sys.argv[1:])),
+    argv = sys.argv[1:]
+    if argv[:2] == ["bench", "flash-a2a"]:  # run through ``xstage`` / ``calibrate.cli``: already named
+        argv = argv[2:]
+    out = {"provenance": provenance(" ".join(["xstage bench flash-a2a", *argv])),
            "profile": args.profile, "fa4_error": base.get("fa4_error"), "rows": rows,
            "slope_test": slope_test(rows),
            "method": "CUDA-Graph replay of calls_per_graph back-to-back calls; all columns replayed in "
@@ -489,6 +494,15 @@ def plot(result: dict, path: str) -> None:
 
 
 def run(args) -> int:
+    if args.table:
+        from flash_a2a.report import markdown_table_file
+
+        try:
+            print(markdown_table_file(args.table))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"xstage: error: cannot read {args.table}: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.replot:
         try:
             print("wrote", replot(args.replot))

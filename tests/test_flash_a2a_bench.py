@@ -88,3 +88,25 @@ def test_model_predictions_follow_eqs_17_to_20(tmp_path):
     png = bench.replot(str(path))
     assert (tmp_path / "fa.png").stat().st_size > 10_000 and png.endswith("fa.png")
     assert "slope_test" in json.loads(path.read_text())
+
+
+def test_markdown_table_has_one_line_per_row_with_its_numbers(tmp_path):
+    from flash_a2a.report import markdown_table_file
+
+    rows = _fake_rows(1.0)
+    rng = random.Random()
+    for r in rows:
+        r["fa4_us"] = r["fa_ours_us"] * rng.uniform(0.9, 1.1)
+        r["serial_fa4_nccl_us"] = r["fa4_us"] + 40.0
+    rows[-1]["fused_E_res_round_paired_us"] = 123.0
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"rows": rows}))
+    lines = markdown_table_file(str(path)).splitlines()
+    assert len(lines) == 2 + len(rows)
+    n_cols = lines[0].count("|")
+    assert all(line.count("|") == n_cols for line in lines)
+    first = lines[2].split(" | ")
+    assert first[0] == "| 3" and first[1] == "8K"
+    assert first[5] == f"{rows[0]['fa4_us'] / rows[0]['fa_ours_us']:.3f}"  # T_FA4 / T_ours
+    assert "[rounds +123]" in lines[-1]
+    assert "–" in lines[2]  # columns a row lacks (cuDNN here) print as a dash, not a crash

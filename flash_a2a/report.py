@@ -1,0 +1,58 @@
+"""A saved ``xstage bench flash-a2a`` result as a Markdown table (the README's), without a GPU."""
+from __future__ import annotations
+
+import json
+
+HEADER = ("| heads/rank | M | ours FA | FA4 | cuDNN | ours/FA4 | post A2A NCCL / symm | pre A2A NCCL / symm "
+          "| serial ours+NCCL | serial FA4+NCCL | fused | E_res (% of T_FA) | fused_cc − fused | H "
+          "| speedup vs serial ours / FA4 (target) |")
+
+
+def _us(row: dict, name: str) -> str:
+    t = row.get(name + "_us")
+    if t is None:
+        return "–"
+    tf = row.get(name + "_tflops")
+    return f"{t:.0f} ({tf:.0f})" if tf else f"{t:.0f}"
+
+
+def _pair(row: dict, a: str, b: str) -> str:
+    x, y = row.get(a + "_us"), row.get(b + "_us")
+    return f"{x:.0f} / {y:.0f}" if x is not None and y is not None else "–"
+
+
+def table_row(row: dict) -> str:
+    t_fa = row.get("fa_ours_us")
+    e_res = row.get("fused_E_res_us")
+    e_txt = "–"
+    if e_res is not None and t_fa:
+        e_txt = f"{e_res:+.1f} ({100 * e_res / t_fa:+.2f}%)"
+        if row.get("fused_E_res_round_paired_us") is not None:  # alternated launches; round-paired beside it
+            e_txt += f" [rounds {row['fused_E_res_round_paired_us']:+.0f}]"
+    ratio = f"{row['fa_ours_us'] and row['fa4_us'] / row['fa_ours_us']:.3f}" if "fa4_us" in row and t_fa else "–"
+    cc = row.get("fused_cc_minus_fused_us")
+    h = row.get("hiding_ratio")
+    target = (0.98 * row["serial_fa4_nccl_us"] / row["fa4_us"]
+              if "serial_fa4_nccl_us" in row and "fa4_us" in row else None)
+    s_ours = row.get("speedup_fused_over_serial_ours_nccl")
+    s_fa4 = row.get("speedup_fused_over_serial_fa4_nccl")
+    speed = (f"{s_ours:.3f} / {s_fa4:.3f}" if s_ours and s_fa4 else "–") + (f" ({target:.3f})" if target else "")
+    m = row["seq_len"]
+    cells = [str(row["heads_per_rank"]), f"{m // 1024}K" if m % 1024 == 0 else str(m), _us(row, "fa_ours"),
+             _us(row, "fa4"), _us(row, "cudnn"), ratio, _pair(row, "a2a_nccl", "a2a_symm"),
+             _pair(row, "pre_a2a_nccl", "pre_a2a_symm"), _us(row, "serial_ours_nccl"), _us(row, "serial_fa4_nccl"),
+             _us(row, "fused"), e_txt, f"{cc:+.0f}" if cc is not None else "–",
+             f"{h:.2f}" if h is not None else "–", speed]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_table(result: dict) -> str:
+    """``result``: the JSON object ``xstage bench flash-a2a`` writes. ours/FA4 is T_FA4 / T_ours (1 = parity)."""
+    lines = [HEADER, "|" + " --- |" * (HEADER.count("|") - 1)]
+    lines += [table_row(r) for r in result["rows"]]
+    return "\n".join(lines)
+
+
+def markdown_table_file(path: str) -> str:
+    with open(path) as f:
+        return markdown_table(json.load(f))
