@@ -144,11 +144,17 @@ class FlashAttentionA2AForward:
         # the first n of the 2 x 32 a thread computes per KV block (row-major); True pins all 64, "first_row"
         # the first 32: the default, measured fastest of False/32/40/48/56/64 on H200 (3-6% faster than
         # unpinned; all 64 are 3% slower).
-        if not (pin_softmax in (False, True, "first_row")
-                or (isinstance(pin_softmax, int) and 0 < pin_softmax <= 64)):
+        # (identity checks: True == 1 and False == 0, so a dict or `in` lookup would read pin_softmax=1 as True)
+        if pin_softmax is True or pin_softmax is False:
+            pin_count = 64 if pin_softmax else 0
+        elif pin_softmax == "first_row":
+            pin_count = 32
+        elif isinstance(pin_softmax, int) and 0 < pin_softmax <= 64:
+            pin_count = pin_softmax
+        else:
             raise ValueError(f"pin_softmax must be False, True, 'first_row' or an int in 1..64, got {pin_softmax!r}")
-        self.pin_softmax = pin_softmax is not False and overlap
-        self.pin_count = {True: 64, "first_row": 32}.get(pin_softmax, pin_softmax) if self.pin_softmax else 0
+        self.pin_count = pin_count if overlap else 0
+        self.pin_softmax = self.pin_count > 0
         # p_first: after the PV wait convert P before rescaling O (FA4's order). rescale_before_pv: rescale O by
         # the previous block's factor while this block's QKᵀ runs, before the PV GEMM is issued (FA4 does this
         # only for head_dim > 128); on by default: with first_row another 0.1-2.6% on H200.

@@ -64,6 +64,19 @@ def test_pinned_softmax_overlaps_the_pv_gemm_in_sass(tmp_path, pin, at_least):
         assert ex2 >= at_least and ffma >= at_least, windows
 
 
+def test_pin_softmax_counts():
+    """pin_softmax maps to the number of pinned exponentials per thread; ints are counts (1 is one, not True)."""
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    for pin, count in [(True, 64), (False, 0), ("first_row", 32), (1, 1), (40, 40), (64, 64)]:
+        k = FlashAttentionA2AForward(pin_softmax=pin)
+        assert k.pin_count == count and k.pin_softmax == (count > 0), (pin, k.pin_count)
+    assert FlashAttentionA2AForward(pin_softmax=40, overlap=False).pin_count == 0  # plain mainloop: no pinning
+    for bad in (0, 65, -1, "all", 1.5):
+        with pytest.raises(ValueError, match="pin_softmax"):
+            FlashAttentionA2AForward(pin_softmax=bad)
+
+
 def test_bad_input_rejected_before_launch():
     from flash_a2a.api import check_qkv
 
