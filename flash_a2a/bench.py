@@ -311,9 +311,8 @@ def _run(rank, world, args):
                 n_tiles = (s // 128) * h_loc
                 grid = min(n_tiles, torch.cuda.get_device_properties(0).multi_processor_count)
                 row["sigma_us_per_kv_tile"] = t_fa * grid / (n_tiles * (s // 128))
-                for f in [c for c in times if c.startswith("fused") and c != "fused_cc_minus_fused"]:
-                    if f + "_us" in row:
-                        row[f + "_E_res_us"] = _paired_excess(times, f, "fa_ours", None)
+                for f in [c for c in times if c.startswith("fused")]:  # every fused column, variants included
+                    row[f + "_E_res_us"] = _paired_excess(times, f, "fa_ours", None)
                 row["fused_cc_minus_fused_us"] = _paired_excess(times, "fused_cc", "fused", None)
                 row["tiles_per_cta"] = n_tiles / grid
                 for ser in ("serial_ours_nccl", "serial_fa4_nccl"):

@@ -29,7 +29,7 @@ def table_row(row: dict) -> str:
         e_txt = f"{e_res:+.1f} ({100 * e_res / t_fa:+.2f}%)"
         if row.get("fused_E_res_round_paired_us") is not None:  # alternated launches; round-paired beside it
             e_txt += f" [rounds {row['fused_E_res_round_paired_us']:+.0f}]"
-    ratio = f"{row['fa_ours_us'] and row['fa4_us'] / row['fa_ours_us']:.3f}" if "fa4_us" in row and t_fa else "–"
+    ratio = f"{row['fa4_us'] / t_fa:.3f}" if "fa4_us" in row and t_fa else "–"
     cc = row.get("fused_cc_minus_fused_us")
     h = row.get("hiding_ratio")
     target = (0.98 * row["serial_fa4_nccl_us"] / row["fa4_us"]
