@@ -282,7 +282,7 @@ class FlashAttentionA2AForward:
             cute.arch.setmaxregister_increase(240)
             self.consumer(mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, sQ, sK, sV, sO,
                           tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world,
-                          timeout_ns, n_tiles, n_kv, n_mb_per_rank, rows_per_rank, h_loc, seq, tidx - WG_THREADS,
+                          timeout_ns, n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx - WG_THREADS,
                           bidx, grid)
 
     @cute.jit
@@ -435,7 +435,7 @@ class FlashAttentionA2AForward:
     @cute.jit
     def consumer(self, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, sQ, sK, sV, sO,
                  tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world, timeout_ns,
-                 n_tiles, n_kv, n_mb_per_rank, rows_per_rank, h_loc, seq, tidx, bidx, grid):
+                 n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx, bidx, grid):
         d = self.head_dim
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_layout = cute.make_layout(self.num_mma_wg, stride=WG_THREADS)
@@ -501,7 +501,11 @@ class FlashAttentionA2AForward:
             else:
                 ready_mask = ensure_ready(flags, ready_mask, dest, world, e_next, timeout_ns, errors, tidx,
                                           Int32(bidx), bar_id, WG_THREADS)
-                drow = row0 - dest * rows_per_rank
+                # Destination row from block counts, not from S/P: holding S/P live across the mainloop (a
+                # division ptxas keeps in a register) changed its schedule (61 of 66 exponentials ahead of the
+                # PV wait instead of local's 51; tests/test_kernels_compile.py checks they now agree).
+                rows_per_rank = n_mb_per_rank * TILE_M
+                drow = (m_block - dest * n_mb_per_rank) * TILE_M + wg * 64
                 peer = cute.make_ptr(self.dtype, out_ptrs[dest], cute.AddressSpace.gmem, assumed_align=16)
                 base = peer + cute.assume(((Int64(bb) * rows_per_rank + drow) * heads + rank * h_loc + h) * d,
                                           divby=self.vec)

@@ -14,10 +14,12 @@ Sender-side boundary as in the paper (sec. 5.1): fused runs launch the attention
 back (it advances its own epoch), and remote visibility is settled once after the replays;
 ``fused_visible`` also waits for every peer's data each call (the remote-visible boundary).
 Time per call = graph replay time / calls per graph, median over interleaved rounds (every round replays
-every column, in a fresh random order); the max over ranks is reported. Derived: E_res = T_fused - T_FA
+every column, in a fresh random order; every timed region starts after a one-element NCCL all-reduce that
+aligns the ranks on the device); the max over ranks is reported. Derived: E_res = T_fused - T_FA
 and the serial excess T_serial - T_FA, each the median over rounds of the difference within a round
 (pairing cancels clock drift between rounds); for kernels of T_FA >= --alternate-min-us both come instead
-from adjacent launches alternated on one stream (``alternated_excess``; the round-paired value is kept
+from pairs of adjacent launches on one stream, each pair aligned, in alternating order
+(``alternated_excess``; the round-paired value is kept
 as ``fused_E_res_round_paired_us``); hiding ratio H = 1 - E_res / (T_serial - T_FA) (eq. 21),
 speedups over each serial, TFLOP/s, and the model's G* and M*_ub from the platform profile.
 """
@@ -52,7 +54,7 @@ def add_arguments(p) -> None:
                    help="print a saved result as the README's Markdown table (no GPU)")
     p.add_argument("--no-spans", dest="spans", action="store_false",
                    help="skip the one instrumented fused launch per shape (per-tile store spans)")
-    p.add_argument("--alternate-pairs", type=int, default=24,
+    p.add_argument("--alternate-pairs", type=int, default=48,
                    help="adjacent-launch pairs per residual for long kernels (0: off)")
     p.add_argument("--alternate-min-us", type=float, default=500.0,
                    help="FA-only time from which residuals come from adjacent launches")
@@ -78,14 +80,32 @@ def _capture(fn, calls, group):
         return None, f"eager ({type(e).__name__})"
 
 
+def _device_align(group):
+    """A one-element NCCL all-reduce on the current stream: what follows it starts on every GPU within a few µs
+    of each other (a host barrier alone leaves the launches as far apart as the processes' wake-ups). The
+    fused columns need it: their first store to a peer waits for that peer's launch to start, so a head start
+    on one rank would count as that rank's residual. In a DiT the pre-attention All-to-All aligns them so."""
+    import torch
+    import torch.distributed as dist
+
+    token = torch.zeros(1, device="cuda")
+
+    def align():
+        dist.all_reduce(token, group=group)
+
+    return align
+
+
 def _measure(columns: dict, calls: int, replays: int, group) -> dict:
     """µs per call for every column, timed in interleaved rounds (a fresh random order every round, so clock
-    or thermal drift hits all variants alike); median over rounds, then the max over ranks."""
+    or thermal drift hits all variants alike); median over rounds, then the max over ranks. Every timed
+    region starts right after a device-side alignment of the ranks (``_device_align``)."""
     import torch
     import torch.distributed as dist
 
     import random
 
+    align = _device_align(group)
     names = list(columns)
     times = {n: [] for n in names}
     for rnd in range(replays):
@@ -98,6 +118,7 @@ def _measure(columns: dict, calls: int, replays: int, group) -> dict:
             fn, graph = columns[name]
             dist.barrier(group=group)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            align()
             a.record()
             if graph is not None:
                 graph.replay()
@@ -113,28 +134,33 @@ def _measure(columns: dict, calls: int, replays: int, group) -> dict:
 
 
 def alternated_excess(first, second, pairs: int, group) -> dict:
-    """Launch ``first``, ``second``, ``first``, ``second``, ... back to back on one stream with an event
-    between every two launches, so each kernel is timed by its neighbouring events while the GPU never
-    idles (steady clocks), and each difference compares two launches a few ms apart. Returns the median and
-    the quartiles over ``pairs`` of (T_second − T_first) in µs, max over ranks (medians) — the residual
-    measurement for long kernels, where round-to-round drift exceeds the residual."""
+    """Pairs of adjacent launches on one stream, each pair started by a device-side alignment of the ranks
+    (``_device_align``) and run in alternating order (first, second; then second, first; ...), so each kernel
+    is timed by its neighbouring events while the GPU barely idles (steady clocks), each difference compares
+    two launches a few ms apart, neither kernel always runs first, and the ranks cannot drift apart over the
+    pairs (a rank that drifted ahead would wait in the fused kernel for its peer, and count that as its
+    residual). Returns the median and the quartiles over ``pairs`` of (T_second − T_first) in µs, max over
+    ranks (medians) — the residual measurement for long kernels, where round-to-round drift exceeds it."""
     import torch
     import torch.distributed as dist
 
+    align = _device_align(group)
     first()
     second()
     torch.cuda.synchronize()
     dist.barrier(group=group)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * pairs + 1)]
-    events[0].record()
-    for i in range(pairs):
-        first()
-        events[2 * i + 1].record()
-        second()
-        events[2 * i + 2].record()
-    events[-1].synchronize()
-    firsts = [events[2 * i].elapsed_time(events[2 * i + 1]) * 1e3 for i in range(pairs)]
-    seconds = [events[2 * i + 1].elapsed_time(events[2 * i + 2]) * 1e3 for i in range(pairs)]
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(pairs)]
+    for i, ev in enumerate(events):
+        align()
+        ev[0].record()
+        (first if i % 2 == 0 else second)()
+        ev[1].record()
+        (second if i % 2 == 0 else first)()
+        ev[2].record()
+    torch.cuda.synchronize()
+    spans = [(ev[0].elapsed_time(ev[1]) * 1e3, ev[1].elapsed_time(ev[2]) * 1e3) for ev in events]
+    firsts = [a if i % 2 == 0 else b for i, (a, b) in enumerate(spans)]
+    seconds = [b if i % 2 == 0 else a for i, (a, b) in enumerate(spans)]
     st = pair_stats(firsts, seconds)
     q = torch.tensor([st["q1_us"], st["median_us"], st["q3_us"]], device="cuda", dtype=torch.float64)
     dist.all_reduce(q, op=dist.ReduceOp.MAX, group=group)

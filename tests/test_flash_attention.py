@@ -64,6 +64,30 @@ def test_pinned_softmax_overlaps_the_pv_gemm_in_sass(tmp_path, pin, at_least):
         assert ex2 >= at_least and ffma >= at_least, windows
 
 
+def test_fused_mainloop_schedules_like_local(tmp_path):
+    """The fused epilogues must not change how ptxas schedules the shared mainloop: the same count of
+    exponentials and FFMAs ahead of the PV wait as in the local kernel. (Holding S/P live across the
+    mainloop for the destination row once moved 61 of 66 ahead instead of 51, and the fused kernel lost
+    what the pinned mainloop won.)"""
+    from cutlass.runtime import make_fake_stream
+
+    from cute_kernels.compile import compile_kernel, sass, softmax_overlap
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    windows = {}
+    for mode in ("local", "piggyback", "completion_coupled"):
+        k = FlashAttentionA2AForward(head_dim=128, mode=mode)
+        d = tmp_path / mode
+        d.mkdir()
+        c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(d))
+        text = sass(c.cubin)
+        if text is None:
+            pytest.skip("no nvdisasm on this machine (it comes with triton)")
+        windows[mode] = softmax_overlap(text)
+    assert len(windows["local"]) == 1, windows
+    assert windows["piggyback"] == windows["local"] and windows["completion_coupled"] == windows["local"], windows
+
+
 def test_pin_softmax_counts():
     """pin_softmax maps to the number of pinned exponentials per thread; ints are counts (1 is one, not True)."""
     from flash_a2a.attention import FlashAttentionA2AForward
