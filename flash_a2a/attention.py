@@ -48,8 +48,10 @@ MODES = ("local", "piggyback", "completion_coupled")
 TILE_M = 128
 TILE_N = 128
 WG_THREADS = 128
-EPILOGUE_BARRIER = 1  # named barriers 1, 2: one per MMA warpgroup (0 is __syncthreads); 3: both
+EPILOGUE_BARRIER = 1  # named barriers 1, 2: one per MMA warpgroup (0 is __syncthreads)
 SCHEDULER_BARRIER = 4  # 4, 5: warpgroup ping-pong on GEMM issue
+DONE_BARRIER = 6  # fused modes: the MMA warpgroups' last stores and the announcing warp, before publish_done
+DONE_THREADS = (TILE_M // 64) * WG_THREADS + 32
 
 
 @cute.jit
@@ -275,6 +277,11 @@ class FlashAttentionA2AForward:
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(24)
+            if const_expr(self.mode != "local"):
+                if warp_idx == 1:  # idle otherwise: the ready announcement's system fence costs no MMA time
+                    announce_ready(flag_ptrs, rank, world, epoch[0] + 1, tidx % 32, bidx)
+                    # the CTA's completion waits for this warp too: it must read the epoch before it advances
+                    cute.arch.barrier_arrive(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
             if warp_idx == 0:
                 self.producer(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, n_tiles,
                               n_kv, n_mb_per_rank, h_loc, rank, world, bidx, grid)
@@ -459,8 +466,6 @@ class FlashAttentionA2AForward:
         tGrO = cute.make_fragment_like(tGsO)
         heads = h_loc * world
         e_next = epoch[0] + 1
-        if const_expr(self.mode != "local"):
-            announce_ready(flag_ptrs, rank, world, e_next, tidx, bidx)
         ready_mask = Int32(0)
         bar_id = EPILOGUE_BARRIER + wg
         if const_expr(self.overlap):
@@ -525,7 +530,5 @@ class FlashAttentionA2AForward:
                     spans[row, 3] = cute.arch.clock64()
 
         if const_expr(self.mode != "local"):
-            cute.arch.fence_acq_rel_sys()
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + self.num_mma_wg,
-                              number_of_threads=WG_THREADS * self.num_mma_wg)
+            cute.arch.barrier(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
             publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), tidx)

@@ -24,10 +24,13 @@ def _peer_flag(flag_ptrs: cute.Tensor, peer, index):
 
 
 @cute.jit
-def announce_ready(flag_ptrs: cute.Tensor, rank: Int32, world: Int32, e_next: Int32, tidx: Int32, bidx: Int32):
-    """CTA 0, one thread per peer: this rank may now receive epoch ``e_next``."""
-    if bidx == 0 and tidx < world:
-        cute.arch.atomic_max(_peer_flag(flag_ptrs, tidx, world + rank), e_next, sem="release", scope="sys")
+def announce_ready(flag_ptrs: cute.Tensor, rank: Int32, world: Int32, e_next: Int32, lane: Int32, bidx: Int32):
+    """CTA 0, one thread of a warp (``lane`` 0..31) per peer: this rank may now receive epoch ``e_next``.
+    The attention kernel calls it from an otherwise idle warp, so its system-scope fences stay off the
+    MMA warpgroups' path."""
+    if bidx == 0:
+        for j in cutlass.range(lane, world, 32, unroll=1):
+            cute.arch.atomic_max(_peer_flag(flag_ptrs, j, world + rank), e_next, sem="release", scope="sys")
 
 
 @cute.jit
@@ -48,14 +51,18 @@ def ensure_ready(flags: cute.Tensor, ready_mask: Int32, dest: Int32, world: Int3
 @cute.jit
 def publish_done(flag_ptrs: cute.Tensor, counter: cute.Tensor, epoch: cute.Tensor, rank: Int32, world: Int32,
                  e_next: Int32, grid: Int32, tidx: Int32):
-    """After every thread of the CTA fenced its stores (fence.acq_rel.sys + CTA barrier): thread 0 arrives
-    on the launch's arrival counter; the last CTA publishes ``e_next`` in every receiver's data flag, then
-    advances the device epoch and resets the counter for the next launch on this stream."""
+    """Call after a barrier of every thread of the CTA that stored. Thread 0 fences once at system scope
+    (release pattern: cumulative, so it covers the stores the barrier ordered before it) and arrives on
+    the launch's arrival counter; the last CTA fences again (acquire pattern: every CTA's arrival, and so
+    its stores) and writes ``e_next`` into every receiver's data flag with plain relaxed atomics, then
+    advances the device epoch and resets the counter for the next launch on this stream. Two fences on the
+    kernel's last path, where per-thread fences and one release atomic per peer took five."""
     if tidx == 0:
-        arrived = cute.arch.atomic_add(fl.elem_ptr(counter, 0), Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.fence_acq_rel_sys()
+        arrived = cute.arch.atomic_add(fl.elem_ptr(counter, 0), Int32(1), sem="relaxed", scope="gpu")
         if arrived == grid - 1:
             cute.arch.fence_acq_rel_sys()
             for j in cutlass.range(world, unroll=1):
-                cute.arch.atomic_max(_peer_flag(flag_ptrs, j, rank), e_next, sem="release", scope="sys")
+                cute.arch.atomic_max(_peer_flag(flag_ptrs, j, rank), e_next, sem="relaxed", scope="sys")
             epoch[0] = e_next
             counter[0] = Int32(0)

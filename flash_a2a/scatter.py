@@ -77,7 +77,8 @@ class UlyssesScatterKernel:
             n_tiles = n_mb * heads * batch
             n_out_vec = Int64(batch) * Int64(seq * world) * Int64(h_loc) * Int64(vpr)
 
-        announce_ready(flag_ptrs, rank, world, e_next, Int32(tidx), Int32(bidx))
+        if tidx < 32:
+            announce_ready(flag_ptrs, rank, world, e_next, Int32(tidx), Int32(bidx))
 
         vals = cute.make_rmem_tensor(cute.make_layout((self.vec_per_thread, WORDS_PER_VEC), stride=(WORDS_PER_VEC, 1)), Int32)
         ready_mask = Int32(0)
@@ -106,9 +107,8 @@ class UlyssesScatterKernel:
                 dsti = ((Int64(bb) * dst_seq + drow0 + r) * dst_heads + dh) * vpr + v
                 cute.copy(atom, vals[i, None], dst[dsti, None])
 
-        # Completion: every thread's stores performed (system scope), then the last CTA to finish
-        # publishes epoch e_next in every receiver's data flag for this sender.
-        cute.arch.fence_acq_rel_sys()
+        # Completion: the CTA's stores, ordered by the barrier before one system-scope fence, then the last
+        # CTA to finish publishes epoch e_next in every receiver's data flag for this sender.
         cute.arch.sync_threads()
         publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), Int32(tidx))
 
