@@ -152,10 +152,12 @@ class FusedAttentionA2A:
         return self.states[key]
 
     def launch(self, q, k, v, softmax_scale=None, mode: str = "piggyback", wait: bool = True, spans=None,
-               **variant):
+               self_store: bool = False, **variant):
         """Attention kernel (it advances the epoch itself), then the receiver's wait for every sender's data
         (``wait=False`` leaves it out, for sender-side timing; ``settle`` later covers every earlier epoch).
-        ``variant``: mainloop knobs of ``FlashAttentionA2AForward``, for side-by-side benchmarks."""
+        ``variant``: mainloop knobs of ``FlashAttentionA2AForward``, for side-by-side benchmarks.
+        ``self_store=True`` (a benchmark control, the output is garbage): every tile goes to this rank's own
+        buffer at its destination offset, so the same fused kernel runs without NVLink traffic."""
         if mode not in MODES[1:]:
             raise ValueError(f"mode must be 'piggyback' or 'completion_coupled', got {mode!r}")
         check_qkv(q, k, v, self.world)
@@ -165,8 +167,9 @@ class FusedAttentionA2A:
         n_tiles = (s // TILE_M) * h_loc * b
         check_spans(spans, n_tiles, q.device)
         dm = _dummy(q.device)
+        out_ptrs = torch.full_like(st.out_ptrs, st.out.data_ptr()) if self_store else st.out_ptrs
         _kernel(q.dtype, d, mode, spans is not None, **variant)(
-            q, k, v, q, st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
+            q, k, v, q, out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
             spans if spans is not None else dm.spans, _scale(softmax_scale, d), self.rank, self.world,
             _grid(n_tiles, q.device), self.timeout_ns)
         if wait:

@@ -45,6 +45,8 @@ from flash_a2a.epoch import announce_ready, ensure_ready, publish_done
 from flash_a2a.mapping import tile_coords  # noqa: F401 - the kernel's tile walk, shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
+STORES = ("st", "bulk")
+O_PAD = 8  # elements of padding per row of the "bulk" output buffer: a 272 B pitch keeps stmatrix conflict-free
 TILE_M = 128
 TILE_N = 128
 WG_THREADS = 128
@@ -124,13 +126,20 @@ class FlashAttentionA2AForward:
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", num_stages: int = 2,
                  instrument: bool = False, overlap: bool = True, lag_v: bool = False,
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
-                 p_first: bool = False, rescale_before_pv: bool = True):
+                 p_first: bool = False, rescale_before_pv: bool = True, store: str = "st"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise ValueError("dtype must be BFloat16 or Float16")
+        if store not in STORES:
+            raise ValueError(f"store must be one of {STORES}, got {store!r}")
+        # store: how a warpgroup's 64 output rows leave shared memory. "st": its 128 threads load them back and
+        # issue 128-bit stores (the LSU carries them to HBM or NVLink); "bulk": 64 of its threads each hand one
+        # row to the TMA engine (cp.async.bulk, 256 B per row), which streams it out while the warpgroup goes
+        # on; the row buffer is then unswizzled and padded (conflict-free stmatrix, contiguous rows).
+        self.store = store
         self.dtype, self.head_dim, self.mode, self.num_stages = dtype, head_dim, mode, num_stages
         self.instrument = instrument
         # overlap: issue block n's QKᵀ with block n-1's PV inside a warpgroup, and ping-pong GEMM issue between
@@ -203,7 +212,10 @@ class FlashAttentionA2AForward:
         sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
         sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.num_stages)
         sV_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.num_stages)
-        sO_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
+        if const_expr(self.store == "bulk"):
+            sO_layout = cute.make_layout((TILE_M, d), stride=(d + O_PAD, 1))
+        else:
+            sO_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_layout, (TILE_M, d))
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(load_op, mKt, cute.select(sK_layout, mode=[0, 1]),
@@ -236,7 +248,7 @@ class FlashAttentionA2AForward:
                counter: cute.Tensor, errors: cute.Tensor, spans: cute.Tensor,
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               sO_layout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                tx_q: cutlass.Constexpr, tx_kv: cutlass.Constexpr, scale_log2: Float32, rank: Int32,
                world: Int32, timeout_ns: Int64, SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -264,7 +276,10 @@ class FlashAttentionA2AForward:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        if const_expr(self.store == "bulk"):
+            sO = storage.sO.get_tensor(sO_layout)
+        else:
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         pipeline.pipeline_init_wait()
 
         seq = Int32(cute.size(mQ, mode=[0]))
@@ -495,10 +510,17 @@ class FlashAttentionA2AForward:
             # ---- epilogue of this warpgroup's 64 rows
             r_o = cute.make_fragment_like(acc_o, self.dtype)
             r_o.store(acc_o.load().to(self.dtype))
+            ltid = tidx % WG_THREADS
+            if const_expr(self.store == "bulk"):
+                if ltid < 64:  # the TMA engine has read the previous tile's row out of sO
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)  # sO rows free again
             cute.copy(st_atom, thr_st.retile(r_o), tOsO)
+            if const_expr(self.store == "bulk"):
+                cute.arch.fence_proxy("async.shared", space="cta")  # stmatrix writes -> the TMA engine's reads
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
-            cute.autovec_copy(tGsO, tGrO)
+            if const_expr(self.store == "st"):
+                cute.autovec_copy(tGsO, tGrO)
             row0 = m_block * TILE_M + wg * 64
             if const_expr(self.mode == "local"):
                 base = mO.iterator + cute.assume(((Int64(bb) * seq + row0) * h_loc + h) * d, divby=self.vec)
@@ -508,18 +530,28 @@ class FlashAttentionA2AForward:
                                           Int32(bidx), bar_id, WG_THREADS)
                 # Destination row from block counts, not from S/P: holding S/P live across the mainloop (a
                 # division ptxas keeps in a register) changed its schedule (61 of 66 exponentials ahead of the
-                # PV wait instead of local's 51; tests/test_kernels_compile.py checks they now agree).
+                # PV wait instead of local's 51; tests/test_flash_attention.py checks they now agree).
                 rows_per_rank = n_mb_per_rank * TILE_M
                 drow = (m_block - dest * n_mb_per_rank) * TILE_M + wg * 64
                 peer = cute.make_ptr(self.dtype, out_ptrs[dest], cute.AddressSpace.gmem, assumed_align=16)
                 base = peer + cute.assume(((Int64(bb) * rows_per_rank + drow) * heads + rank * h_loc + h) * d,
                                           divby=self.vec)
                 row_stride = cute.assume(heads * d, divby=d)
-            g_dst = cute.make_tensor(base, cute.make_layout((64, d), stride=(row_stride, 1)))
             gt0, ck0 = cute.arch.globaltimer(), cute.arch.clock64()
-            cute.copy(g_copy, tGrO, thr_g.partition_D(g_dst))
-            if const_expr(self.mode == "completion_coupled"):
-                cute.arch.fence_acq_rel_sys()  # returns once this thread's stores are performed remotely
+            if const_expr(self.store == "bulk"):
+                if ltid < 64:
+                    row_src = sO.iterator + (wg * 64 + ltid) * (d + O_PAD)
+                    copy_utils.cpasync_bulk_s2g(row_src, base + Int64(ltid) * row_stride, d * self.dtype.width // 8)
+                    cute.arch.cp_async_bulk_commit_group()
+                    if const_expr(self.mode == "completion_coupled"):
+                        cute.arch.cp_async_bulk_wait_group(0)  # the row's writes are complete
+                        cute.arch.fence_proxy("async.global")
+                        cute.arch.fence_acq_rel_sys()
+            else:
+                g_dst = cute.make_tensor(base, cute.make_layout((64, d), stride=(row_stride, 1)))
+                cute.copy(g_copy, tGrO, thr_g.partition_D(g_dst))
+                if const_expr(self.mode == "completion_coupled"):
+                    cute.arch.fence_acq_rel_sys()  # returns once this thread's stores are performed remotely
             if const_expr(self.instrument):
                 cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
                 if tidx % WG_THREADS == 0:
@@ -529,6 +561,10 @@ class FlashAttentionA2AForward:
                     spans[row, 2] = ck0
                     spans[row, 3] = cute.arch.clock64()
 
+        if const_expr(self.store == "bulk"):
+            if tidx % WG_THREADS < 64:  # every row written (and read out of sO before the CTA exits)
+                cute.arch.cp_async_bulk_wait_group(0)
+                cute.arch.fence_proxy("async.global")
         if const_expr(self.mode != "local"):
             cute.arch.barrier(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
             publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), tidx)
