@@ -379,10 +379,14 @@ def _write(rows, base, args) -> None:
            "profile": args.profile, "fa4_error": base.get("fa4_error"), "rows": rows,
            "slope_test": slope_test(rows),
            "method": "CUDA-Graph replay of calls_per_graph back-to-back calls; all columns replayed in "
-                     "interleaved rounds with a rotating order; median over rounds, max over ranks; E_res and "
-                     "the serial excess are medians of within-round differences; sender-side boundary for "
-                     "fused/fused_cc (settled once after the replays)",
-           "calls_per_graph": args.calls_per_graph, "replays": args.replays, "skipped": list(args.skip)}
+                     "interleaved rounds, a fresh random order each round, every timed region started after a "
+                     "one-element NCCL all-reduce (device-side rank alignment); median over rounds, max over "
+                     "ranks; E_res and the serial excess are medians of within-round differences, or for "
+                     "T_FA >= alternate_min_us of alternate_pairs aligned pairs of adjacent launches in "
+                     "alternating order; sender-side boundary for fused/fused_cc (settled once after the "
+                     "replays)",
+           "calls_per_graph": args.calls_per_graph, "replays": args.replays, "skipped": list(args.skip),
+           "alternate_pairs": args.alternate_pairs, "alternate_min_us": args.alternate_min_us}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
