@@ -41,7 +41,7 @@ from cutlass.utils import LayoutEnum
 from quack import copy_utils, layout_utils, sm90_utils
 from quack.cute_dsl_utils import ParamsBase
 
-from flash_a2a.epoch import announce_ready, ensure_ready, publish_done
+from flash_a2a.epoch import announce_ready, await_all_ready, publish_done, ready_wait
 from flash_a2a.mapping import tile_coords  # noqa: F401 - the kernel's tile walk, shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
@@ -228,6 +228,7 @@ class FlashAttentionA2AForward:
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[Int64, 2]
+            mbar_ready: cute.struct.MemRange[Int64, 1]  # fused modes: every receiver announced this epoch
             mbar_k: cute.struct.MemRange[Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[Int64, 2 * self.num_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -272,6 +273,12 @@ class FlashAttentionA2AForward:
         pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_v.data_ptr(),
                                                   num_stages=self.num_stages, producer_group=one_thread,
                                                   consumer_group=mma_warps, tx_count=tx_kv, defer_sync=True)
+        ready_mbar = storage.mbar_ready.data_ptr()
+        if const_expr(self.mode != "local"):
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(ready_mbar, 1)
+            cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_arrive(is_relaxed=True)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -293,8 +300,10 @@ class FlashAttentionA2AForward:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(24)
             if const_expr(self.mode != "local"):
-                if warp_idx == 1:  # idle otherwise: the ready announcement's system fence costs no MMA time
-                    announce_ready(flag_ptrs, rank, world, epoch[0] + 1, tidx % 32, bidx)
+                if warp_idx == 1:  # idle otherwise: system-scope fences and flag polls cost no MMA time here
+                    e_next = epoch[0] + 1
+                    announce_ready(flag_ptrs, rank, world, e_next, tidx % 32, bidx)
+                    await_all_ready(flags, world, e_next, timeout_ns, errors, tidx % 32, bidx, ready_mbar)
                     # the CTA's completion waits for this warp too: it must read the epoch before it advances
                     cute.arch.barrier_arrive(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
             if warp_idx == 0:
@@ -302,8 +311,8 @@ class FlashAttentionA2AForward:
                               n_kv, n_mb_per_rank, h_loc, rank, world, bidx, grid)
         else:
             cute.arch.setmaxregister_increase(240)
-            self.consumer(mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, sQ, sK, sV, sO,
-                          tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world,
+            self.consumer(mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, ready_mbar, sQ, sK, sV,
+                          sO, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world,
                           timeout_ns, n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx - WG_THREADS,
                           bidx, grid)
 
@@ -455,8 +464,8 @@ class FlashAttentionA2AForward:
         return kv_state
 
     @cute.jit
-    def consumer(self, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, sQ, sK, sV, sO,
-                 tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world, timeout_ns,
+    def consumer(self, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, ready_mbar, sQ, sK, sV,
+                 sO, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world, timeout_ns,
                  n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx, bidx, grid):
         d = self.head_dim
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -481,7 +490,6 @@ class FlashAttentionA2AForward:
         tGrO = cute.make_fragment_like(tGsO)
         heads = h_loc * world
         e_next = epoch[0] + 1
-        ready_mask = Int32(0)
         bar_id = EPILOGUE_BARRIER + wg
         if const_expr(self.overlap):
             if wg == 0:  # the first warpgroup issues first
@@ -526,8 +534,7 @@ class FlashAttentionA2AForward:
                 base = mO.iterator + cute.assume(((Int64(bb) * seq + row0) * h_loc + h) * d, divby=self.vec)
                 row_stride = cute.assume(h_loc * d, divby=d)
             else:
-                ready_mask = ensure_ready(flags, ready_mask, dest, world, e_next, timeout_ns, errors, tidx,
-                                          Int32(bidx), bar_id, WG_THREADS)
+                ready_wait(ready_mbar)
                 # Destination row from block counts, not from S/P: holding S/P live across the mainloop (a
                 # division ptxas keeps in a register) changed its schedule (61 of 66 exponentials ahead of the
                 # PV wait instead of local's 51; tests/test_flash_attention.py checks they now agree).

@@ -49,6 +49,29 @@ def ensure_ready(flags: cute.Tensor, ready_mask: Int32, dest: Int32, world: Int3
 
 
 @cute.jit
+def await_all_ready(flags: cute.Tensor, world: Int32, e_next: Int32, timeout_ns: Int64, errors: cute.Tensor,
+                    lane: Int32, bidx: Int32, ready_mbar):
+    """One warp per CTA, at its start: wait (bounded, acquire, system scope) until every receiver announced
+    epoch ``e_next``, then arrive once on the shared-memory barrier ``ready_mbar`` (arrival count 1). A
+    storing warpgroup then only waits on that barrier before its stores (``ready_wait``): by the first
+    epilogue, a whole Q-loop later, it has long completed, and the wait costs one shared-memory test instead
+    of a system-scope load on the MMA warpgroups' path. On timeout the error word is set and the warp still
+    arrives, so nothing hangs."""
+    for j in cutlass.range(lane, world, 32, unroll=1):
+        fl.wait_geq(flags, world + j, e_next, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), bidx, "sys")
+    cute.arch.sync_warp()
+    if lane == 0:
+        cute.arch.mbarrier_arrive(ready_mbar)
+
+
+@cute.jit
+def ready_wait(ready_mbar):
+    """Before a store into any receiver's buffer: the barrier ``await_all_ready`` arrives on (phase 0; once
+    completed it answers at once, so calling it before every tile's stores is cheap)."""
+    cute.arch.mbarrier_wait(ready_mbar, 0)
+
+
+@cute.jit
 def publish_done(flag_ptrs: cute.Tensor, counter: cute.Tensor, epoch: cute.Tensor, rank: Int32, world: Int32,
                  e_next: Int32, grid: Int32, tidx: Int32):
     """Call after a barrier of every thread of the CTA that stored. Thread 0 fences once at system scope
