@@ -126,7 +126,7 @@ class FlashAttentionA2AForward:
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", num_stages: int = 2,
                  instrument: bool = False, overlap: bool = True, lag_v: bool = False,
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
-                 p_first: bool = False, rescale_before_pv: bool = True, store: str = "st"):
+                 p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -140,6 +140,10 @@ class FlashAttentionA2AForward:
         # row to the TMA engine (cp.async.bulk, 256 B per row), which streams it out while the warpgroup goes
         # on; the row buffer is then unswizzled and padded (conflict-free stmatrix, contiguous rows).
         self.store = store
+        # signal=False (fused modes, a benchmark control only): no ready wait, no completion flags, so the
+        # output is never announced to its receivers; it prices the flag protocol against signal=True.
+        self.signal = signal
+        self.flags_on = mode != "local" and signal
         self.dtype, self.head_dim, self.mode, self.num_stages = dtype, head_dim, mode, num_stages
         self.instrument = instrument
         # overlap: issue block n's QKᵀ with block n-1's PV inside a warpgroup, and ping-pong GEMM issue between
@@ -274,7 +278,7 @@ class FlashAttentionA2AForward:
                                                   num_stages=self.num_stages, producer_group=one_thread,
                                                   consumer_group=mma_warps, tx_count=tx_kv, defer_sync=True)
         ready_mbar = storage.mbar_ready.data_ptr()
-        if const_expr(self.mode != "local"):
+        if const_expr(self.flags_on):
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_init(ready_mbar, 1)
@@ -299,7 +303,7 @@ class FlashAttentionA2AForward:
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(24)
-            if const_expr(self.mode != "local"):
+            if const_expr(self.flags_on):
                 if warp_idx == 1:  # idle otherwise: system-scope fences and flag polls cost no MMA time here
                     e_next = epoch[0] + 1
                     announce_ready(flag_ptrs, rank, world, e_next, tidx % 32, bidx)
@@ -534,7 +538,8 @@ class FlashAttentionA2AForward:
                 base = mO.iterator + cute.assume(((Int64(bb) * seq + row0) * h_loc + h) * d, divby=self.vec)
                 row_stride = cute.assume(h_loc * d, divby=d)
             else:
-                ready_wait(ready_mbar)
+                if const_expr(self.flags_on):
+                    ready_wait(ready_mbar)
                 # Destination row from block counts, not from S/P: holding S/P live across the mainloop (a
                 # division ptxas keeps in a register) changed its schedule (61 of 66 exponentials ahead of the
                 # PV wait instead of local's 51; tests/test_flash_attention.py checks they now agree).
@@ -572,6 +577,6 @@ class FlashAttentionA2AForward:
             if tidx % WG_THREADS < 64:  # every row written (and read out of sO before the CTA exits)
                 cute.arch.cp_async_bulk_wait_group(0)
                 cute.arch.fence_proxy("async.global")
-        if const_expr(self.mode != "local"):
+        if const_expr(self.flags_on):
             cute.arch.barrier(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
             publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), tidx)

@@ -69,6 +69,27 @@ def test_pinned_softmax_overlaps_the_pv_gemm_in_sass(tmp_path, pin, at_least):
         assert ex2 >= at_least and ffma >= at_least, windows
 
 
+def test_unsignaled_control_has_no_flag_protocol(tmp_path):
+    """signal=False (a benchmark control) compiles the piggyback kernel without any flag traffic; the
+    default waits for the ready flags from one warp (an mbarrier for the storing warpgroups)."""
+    from cutlass.runtime import make_fake_stream
+
+    from cute_kernels.compile import compile_kernel
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    for signal in (False, True):
+        k = FlashAttentionA2AForward(head_dim=128, mode="piggyback", signal=signal)
+        d = tmp_path / str(signal)
+        d.mkdir()
+        c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(d))
+        fences, polls = c.ptx_count(r"fence\.acq_rel\.sys"), c.ptx_count(r"ld\.acquire\.sys")
+        if signal:
+            assert fences == 2 and polls >= 1, (fences, polls)
+        else:
+            assert fences == 0 and polls == 0, (fences, polls)
+        assert c.ptx_count(r"st\.global\.v4") >= 1
+
+
 def test_fused_mainloop_schedules_like_local(tmp_path):
     """The fused epilogues must not change how ptxas schedules the shared mainloop: the same count of
     exponentials and FFMAs ahead of the PV wait as in the local kernel. (Holding S/P live across the
