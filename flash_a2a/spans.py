@@ -4,7 +4,10 @@ remote-store span of that warpgroup's 64-row half: (globaltimer start, end, cloc
 ``summarize_spans`` turns a dump into what the Burst–Gap model talks about: the issue time of each burst
 (clock64, so sub-µs spans resolve; remote and local tiles apart, since backpressure shows up as remote issue
 time beyond the local one, eq. 7), the rounds of the persistent walk with the remote bytes each issued, and
-how long the kernel computed after its last remote burst (the drain window the tile order leaves).
+how long the kernel computed after its last remote burst (the drain window the tile order leaves), and the
+time each warpgroup spent between two of its bursts (its next tile's Q-loop), apart by whether the burst
+before was remote or local: remote stores that slow the issuer after they are issued (still draining while
+it computes) show up there and not in the issue time.
 """
 from __future__ import annotations
 
@@ -53,6 +56,11 @@ def summarize_spans(spans, *, world: int, rank: int, n_mb_per_rank: int, h_loc: 
                           "first_issue_us": float(gt0[sel].min() - t_begin) / 1e3,
                           "last_issue_end_us": float(gt1[sel].max() - t_begin) / 1e3})
     last_remote_end = float(gt1[remote].max() - t_begin) / 1e3 if remote.any() else None
+    # Row r = t * warpgroups + wg; the same warpgroup's previous tile is t - grid (persistent walk).
+    prev = np.arange(a.shape[0]) - grid * warpgroups
+    has_prev = prev >= 0
+    between_us = (gt0[has_prev] - gt1[prev[has_prev]]) / 1e3
+    after_remote = remote[prev[has_prev]]
     return {
         "clock_ghz": clock,
         "issue_us_remote": _pct(issue_us[remote]),
@@ -63,4 +71,7 @@ def summarize_spans(spans, *, world: int, rank: int, n_mb_per_rank: int, h_loc: 
         # compute left after the last remote burst: the window its stores drain in before the kernel ends
         "drain_window_after_last_remote_us": (kernel_last_store_end - last_remote_end
                                               if last_remote_end is not None else None),
+        # a warpgroup's time from the end of one burst to the start of its next (globaltimer, µs)
+        "between_bursts_us_after_remote": _pct(between_us[after_remote]),
+        "between_bursts_us_after_local": _pct(between_us[~after_remote]),
     }

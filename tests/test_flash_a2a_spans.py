@@ -46,6 +46,34 @@ def test_summary_separates_remote_and_local_issue_and_counts_rounds():
         assert s["rounds"][-1]["remote_MiB"] == 0 and s["drain_window_after_last_remote_us"] > 0
 
 
+def test_time_between_bursts_is_split_by_the_burst_before():
+    """A warpgroup whose tile follows a remote burst computes longer by a random extra (as if the drain
+    slowed it): the summary's medians after remote and after local bursts differ by that extra."""
+    rng = random.Random()
+    world, rank = 2, rng.randrange(2)
+    n_mb, h_loc, batch = rng.randint(4, 8), rng.randint(2, 4), 1
+    n_tiles = n_mb * world * h_loc * batch
+    grid = rng.randint(2, n_tiles // 4)
+    clock, t_tile, extra = 1.9, rng.uniform(50, 100), rng.uniform(1.0, 5.0)
+    rows = np.zeros((n_tiles * 2, 4), dtype=np.int64)
+    for c in range(grid):
+        for wg in range(2):
+            cursor, prev_remote = 1_000_000.0 + wg * 300, False
+            for t in range(c, n_tiles, grid):
+                dest = tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid)[3]
+                start = cursor + (t_tile + (extra if prev_remote else 0.0)) * 1e3
+                end = start + 200.0
+                rows[t * 2 + wg] = [int(start), int(end), int(start * clock), int(end * clock)]
+                cursor, prev_remote = end, dest != rank
+    s = summarize_spans(rows, world=world, rank=rank, n_mb_per_rank=n_mb, h_loc=h_loc, batch=batch, grid=grid,
+                        bytes_per_row_half=16384)
+    after_r, after_l = s["between_bursts_us_after_remote"], s["between_bursts_us_after_local"]
+    assert after_r["n"] + after_l["n"] == 2 * (n_tiles - grid)
+    if after_r["n"] and after_l["n"]:
+        assert after_r["p50"] - after_l["p50"] == pytest.approx(extra, abs=0.01)
+        assert after_l["p50"] == pytest.approx(t_tile, abs=0.01)
+
+
 def test_bad_dumps_are_rejected():
     spans = np.zeros((8, 4), dtype=np.int64)
     with pytest.raises(ValueError, match="unwritten"):
