@@ -34,16 +34,19 @@ def record_error(errors: cute.Tensor, code: Int32, block: Int32, seen: Int32):
 
 
 @cute.jit
-def wait_geq(flags: cute.Tensor, index: Int32, target: Int32, timeout_ns: Int64,
+def wait_geq(flags: cute.Tensor, index: Int32, target, timeout_ns: Int64,
              errors: cute.Tensor, code: Int32, block: Int32, scope: cutlass.Constexpr = "gpu") -> Int32:
-    """Spin (acquire loads) until ``flags[index] >= target`` or the deadline passes; returns 1 if met."""
+    """Spin (acquire loads) until ``flags[index] >= target`` or the deadline passes; returns 1 if met.
+    ``flags`` holds Int32 or Int64 words (``target`` is converted to that type)."""
+    word = flags.element_type
+    goal = word(target)
     deadline = cute.arch.globaltimer() + timeout_ns
-    seen = cute.arch.load(elem_ptr(flags, index), Int32, sem="acquire", scope=scope)
-    while seen < target and cute.arch.globaltimer() < deadline:
-        seen = cute.arch.load(elem_ptr(flags, index), Int32, sem="acquire", scope=scope)
+    seen = cute.arch.load(elem_ptr(flags, index), word, sem="acquire", scope=scope)
+    while seen < goal and cute.arch.globaltimer() < deadline:
+        seen = cute.arch.load(elem_ptr(flags, index), word, sem="acquire", scope=scope)
     met = Int32(1)
-    if seen < target:
-        record_error(errors, code, block, seen)
+    if seen < goal:
+        record_error(errors, code, block, Int32(seen))
         met = Int32(0)
     return met
 

@@ -15,6 +15,7 @@ import torch.distributed._symmetric_memory as symm_mem
 
 from cute_kernels.runtime import check_error_word, new_error_word
 from flash_a2a.mapping import check_ulysses_shapes
+from flash_a2a.epoch import MAX_GRID
 from flash_a2a.scatter import UlyssesScatterKernel, EpochWaitKernel
 
 _KERNELS: dict = {}
@@ -40,12 +41,12 @@ class SymmetricOutput:
         world = dist.get_world_size(group)
         self.out = symm_mem.empty(shape, dtype=dtype, device=device)
         hdl = symm_mem.rendezvous(self.out, group)
-        self.flags = symm_mem.empty(2 * world, dtype=torch.int32, device=device)
+        self.flags = symm_mem.empty(2 * world, dtype=torch.int64, device=device)
         fhdl = symm_mem.rendezvous(self.flags, group)
         self.flags.zero_()
         self.out_ptrs = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(list(fhdl.buffer_ptrs), dtype=torch.int64, device=device)
-        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.errors = new_error_word(device)
         self.handles = (hdl, fhdl)
@@ -98,6 +99,8 @@ class SymmetricUlyssesA2A:
         vec_per_row = x.shape[3] * x.element_size() // 16
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         grid = min(n_tiles, self.ctas_per_sm * sms)
+        if grid > MAX_GRID:
+            raise ValueError(f"grid {grid} exceeds the epoch protocol's {MAX_GRID} CTAs; lower ctas_per_sm")
         _compiled("scatter", vec_per_row, self.tile_m, 128, direction)(
             x.view(torch.int32).view(-1, 4), st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
             x.shape[0], seq, h_loc, self.rank, self.world, grid, self.timeout_ns)

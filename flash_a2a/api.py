@@ -129,7 +129,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     check_spans(spans, n_tiles, q.device)
     dm = _dummy(q.device)
     _kernel(q.dtype, d, "local", spans is not None, overlap, **variant)(
-        q, k, v, out, dm.i64, dm.i64, dm.i32, dm.i32, dm.i32, dm.i32, spans if spans is not None else dm.spans,
+        q, k, v, out, dm.i64, dm.i64, dm.i64, dm.i64, dm.i32, dm.i32, spans if spans is not None else dm.spans,
         _scale(softmax_scale, d), 0, tile_order_world, _grid(n_tiles, q.device, persistent), DEFAULT_TIMEOUT_NS)
     return out
 

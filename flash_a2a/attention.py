@@ -193,9 +193,10 @@ class FlashAttentionA2AForward:
 
         i64 = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
         i64b = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
-        small = [make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4) for _ in range(4)]
+        flags, epoch = (make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8) for _ in range(2))
+        counter, errors = (make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4) for _ in range(2))
         spans = make_fake_tensor(Int64, (cute.sym_int64(), 4), stride=(4, 1), assumed_align=16)
-        return (qkv(), qkv(), qkv(), qkv(), i64, i64b, *small, spans,
+        return (qkv(), qkv(), qkv(), qkv(), i64, i64b, flags, epoch, counter, errors, spans,
                 Float32(1.0), Int32(0), Int32(1), Int32(1), Int64(1))
 
     @cute.jit
@@ -579,4 +580,4 @@ class FlashAttentionA2AForward:
                 cute.arch.fence_proxy("async.global")
         if const_expr(self.flags_on):
             cute.arch.barrier(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
-            publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), tidx)
+            publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), Int32(bidx), tidx)

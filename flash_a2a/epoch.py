@@ -1,13 +1,15 @@
 """The epoch-flag protocol shared by every kernel that stores into other ranks' symmetric buffers.
 
-Per rank one Int32 array ``flags`` of 2P words (symmetric memory), monotone epochs (never reset, so a
-CUDA-Graph replay never sees a stale value), and the current epoch in a device word. A sender kernel reads
-it at its start (every CTA computes e = epoch + 1); the last of its CTAs to finish publishes e and advances
-the word (safe: every CTA of the launch has read it by then). The receiver's EpochWaitKernel then waits for
-every sender's data flag to reach the current epoch.
-- ``flags[P + j]`` (ready): rank j writes epoch e when its launch e starts, i.e. once its stream is done
-  with the output of launch e-1. A sender waits for it (bounded) before its first store to j.
-- ``flags[s]`` (data): sender s writes epoch e after all of its CTAs' stores are performed.
+Per rank one Int64 array ``flags`` of 2P words (symmetric memory), monotone (never reset, so a CUDA-Graph
+replay never sees a stale value; 64 bits never wrap), and the number of this rank's sender launches so far
+in a device word ``epoch`` (Int64). A sender kernel reads it at its start (every CTA computes e = epoch + 1);
+the last of its CTAs to arrive advances it (safe: every CTA of the launch has read it by then).
+- ``flags[P + j]`` (ready): rank j writes its epoch e when its launch e starts, i.e. once its stream is done
+  with the output of launch e-1. A sender waits for it (bounded) before storing to j.
+- ``flags[s]`` (data): every CTA of sender s adds its share of ``SHARE_TOTAL`` once its stores are performed,
+  so after sender s's launch e the word holds e * SHARE_TOTAL, whatever its grid. The receiver's
+  EpochWaitKernel waits for every sender's word to reach its own epoch * SHARE_TOTAL. One system-scope fence
+  per CTA (release pattern, after the CTA barrier) orders its stores before its share.
 """
 from __future__ import annotations
 
@@ -18,23 +20,36 @@ from cutlass import Int32, Int64
 from cute_kernels import flags as fl
 
 
+SHARE_TOTAL = 1 << 20  # one sender launch's data-flag increments, summed over its CTAs
+
+
 def _peer_flag(flag_ptrs: cute.Tensor, peer, index):
-    base = cute.make_ptr(Int32, flag_ptrs[peer], cute.AddressSpace.gmem, assumed_align=4)
+    base = cute.make_ptr(Int64, flag_ptrs[peer], cute.AddressSpace.gmem, assumed_align=8)
     return (base + index).llvm_ptr
 
 
+MAX_GRID = (1 << 31) // SHARE_TOTAL - 1  # 2047 CTAs: (bidx + 1) * SHARE_TOTAL stays an Int32
+
+
+def cta_share(bidx, grid):
+    """CTA ``bidx``'s share of SHARE_TOTAL (the shares of CTAs 0..grid-1 sum to it exactly); 32-bit math,
+    so ``grid`` <= MAX_GRID (the callers launch at most 2 CTAs per SM). Ints or DSL Int32."""
+    return ((bidx + 1) * SHARE_TOTAL) // grid - (bidx * SHARE_TOTAL) // grid
+
+
 @cute.jit
-def announce_ready(flag_ptrs: cute.Tensor, rank: Int32, world: Int32, e_next: Int32, lane: Int32, bidx: Int32):
+def announce_ready(flag_ptrs: cute.Tensor, rank: Int32, world: Int32, e_next: Int64, lane: Int32, bidx: Int32):
     """CTA 0, one thread of a warp (``lane`` 0..31) per peer: this rank may now receive epoch ``e_next``.
     The attention kernel calls it from an otherwise idle warp, so its system-scope fences stay off the
     MMA warpgroups' path."""
     if bidx == 0:
         for j in cutlass.range(lane, world, 32, unroll=1):
-            cute.arch.atomic_max(_peer_flag(flag_ptrs, j, world + rank), e_next, sem="release", scope="sys")
+            cute.arch.red(_peer_flag(flag_ptrs, j, world + rank), Int64(e_next), op="max", dtype="s64",
+                          sem="release", scope="sys")
 
 
 @cute.jit
-def ensure_ready(flags: cute.Tensor, ready_mask: Int32, dest: Int32, world: Int32, e_next: Int32,
+def ensure_ready(flags: cute.Tensor, ready_mask: Int32, dest: Int32, world: Int32, e_next: Int64,
                  timeout_ns: Int64, errors: cute.Tensor, tidx: Int32, bidx: Int32, barrier_id: int,
                  num_threads: int) -> Int32:
     """Before the first store to ``dest`` in this launch: one thread waits (bounded) for its ready flag,
@@ -49,7 +64,7 @@ def ensure_ready(flags: cute.Tensor, ready_mask: Int32, dest: Int32, world: Int3
 
 
 @cute.jit
-def await_all_ready(flags: cute.Tensor, world: Int32, e_next: Int32, timeout_ns: Int64, errors: cute.Tensor,
+def await_all_ready(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns: Int64, errors: cute.Tensor,
                     lane: Int32, bidx: Int32, ready_mbar):
     """One warp per CTA, at its start: wait (bounded, acquire, system scope) until every receiver announced
     epoch ``e_next``, then arrive once on the shared-memory barrier ``ready_mbar`` (arrival count 1). A
@@ -73,19 +88,19 @@ def ready_wait(ready_mbar):
 
 @cute.jit
 def publish_done(flag_ptrs: cute.Tensor, counter: cute.Tensor, epoch: cute.Tensor, rank: Int32, world: Int32,
-                 e_next: Int32, grid: Int32, tidx: Int32):
+                 e_next: Int64, grid: Int32, bidx: Int32, tidx: Int32):
     """Call after a barrier of every thread of the CTA that stored. Thread 0 fences once at system scope
-    (release pattern: cumulative, so it covers the stores the barrier ordered before it) and arrives on
-    the launch's arrival counter; the last CTA fences again (acquire pattern: every CTA's arrival, and so
-    its stores) and writes ``e_next`` into every receiver's data flag with plain relaxed atomics, then
-    advances the device epoch and resets the counter for the next launch on this stream. Two fences on the
-    kernel's last path, where per-thread fences and one release atomic per peer took five."""
+    (release pattern: cumulative, so it covers the stores the barrier ordered before it), adds the CTA's
+    share to every receiver's data flag for this sender (relaxed, no reply awaited), and arrives on the
+    launch's arrival counter; the last CTA to arrive advances the device epoch and resets the counter for
+    the next launch on this stream (local words, ordered for that launch by the kernel boundary). One
+    fence on the kernel's last path."""
     if tidx == 0:
+        share = Int64(cta_share(bidx, grid))
         cute.arch.fence_acq_rel_sys()
+        for j in cutlass.range(world, unroll=1):
+            cute.arch.red(_peer_flag(flag_ptrs, j, rank), share, op="add", dtype="u64", sem="relaxed", scope="sys")
         arrived = cute.arch.atomic_add(fl.elem_ptr(counter, 0), Int32(1), sem="relaxed", scope="gpu")
         if arrived == grid - 1:
-            cute.arch.fence_acq_rel_sys()
-            for j in cutlass.range(world, unroll=1):
-                cute.arch.atomic_max(_peer_flag(flag_ptrs, j, rank), e_next, sem="relaxed", scope="sys")
             epoch[0] = e_next
             counter[0] = Int32(0)

@@ -23,7 +23,7 @@ from cutlass import Int32, Int64
 from cutlass.cute.runtime import make_fake_tensor
 
 from cute_kernels import flags as fl
-from flash_a2a.epoch import announce_ready, ensure_ready, publish_done
+from flash_a2a.epoch import SHARE_TOTAL, announce_ready, ensure_ready, publish_done
 from flash_a2a.mapping import post_tile, pre_tile
 
 WORDS_PER_VEC = 4  # 128 bits
@@ -46,9 +46,10 @@ class UlyssesScatterKernel:
         o = make_fake_tensor(Int32, (cute.sym_int64(), WORDS_PER_VEC), stride=(WORDS_PER_VEC, 1), assumed_align=16)
         ptrs = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
         fptrs = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
-        small = [make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4) for _ in range(4)]
+        flags, epoch = (make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8) for _ in range(2))
+        counter, errors = (make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4) for _ in range(2))
         scalars = (Int32(1), Int32(1), Int32(1), Int32(0), Int32(1), Int32(1), Int64(1))
-        return (o, ptrs, fptrs, *small) + scalars
+        return (o, ptrs, fptrs, flags, epoch, counter, errors) + scalars
 
     @cute.jit
     def __call__(self, o: cute.Tensor, out_ptrs: cute.Tensor, flag_ptrs: cute.Tensor, flags: cute.Tensor,
@@ -110,7 +111,7 @@ class UlyssesScatterKernel:
         # Completion: the CTA's stores, ordered by the barrier before one system-scope fence, then the last
         # CTA to finish publishes epoch e_next in every receiver's data flag for this sender.
         cute.arch.sync_threads()
-        publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), Int32(tidx))
+        publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), Int32(bidx), Int32(tidx))
 
 
 class EpochWaitKernel:
@@ -119,8 +120,9 @@ class EpochWaitKernel:
     any number of sender launches settles all of them, since epochs are monotone."""
 
     def fake_args(self):
-        small = [make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4) for _ in range(3)]
-        return (*small, Int32(1), Int64(1))
+        flags, epoch = (make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8) for _ in range(2))
+        errors = make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4)
+        return (flags, epoch, errors, Int32(1), Int64(1))
 
     @cute.jit
     def __call__(self, flags: cute.Tensor, epoch: cute.Tensor, errors: cute.Tensor, world: Int32,
@@ -133,5 +135,5 @@ class EpochWaitKernel:
                timeout_ns: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         if tidx < world:
-            fl.wait_geq(flags, Int32(tidx), epoch[0], timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), Int32(tidx),
-                        "sys")
+            fl.wait_geq(flags, Int32(tidx), epoch[0] * SHARE_TOTAL, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT),
+                        Int32(tidx), "sys")

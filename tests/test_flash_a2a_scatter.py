@@ -21,10 +21,11 @@ def test_scatter_kernels_compile_for_sm90a(tmp_path):
         c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
         assert c.ptx_count(r"st\.global\.v4\.b32") == k.vec_per_thread, "one 128-bit store per vector"
         assert c.ptx_count(r"ld\.acquire\.sys") >= 1, "waits for the receiver's ready flag"
-        assert c.ptx_count(r"atom\.global\.sys\.release\.max") >= 1, "ready flag (release, sys)"
-        # data flag: fence (release pattern), arrival, fence (acquire pattern), relaxed flag atomics
-        assert c.ptx_count(r"fence\.acq_rel\.sys") == 2
-        assert c.ptx_count(r"atom\.global\.sys\.(relaxed\.)?max") >= 1
+        assert c.ptx_count(r"red\.release\.sys\.global\.max\.s64") >= 1, "ready flag (release, sys, 64-bit)"
+        # data flag: one fence per CTA (release pattern), then its share added to every receiver's word
+        assert c.ptx_count(r"fence\.acq_rel\.sys") == 1
+        assert c.ptx_count(r"red\.relaxed\.sys\.global\.add\.u64") >= 1
+        assert c.ptx_count(r"ld\.acquire\.sys\.global\.b64") >= 1, "64-bit flag words"
     k = EpochWaitKernel()
     c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
     assert c.ptx_count(r"%globaltimer") >= 1, "bounded wait"
