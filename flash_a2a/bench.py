@@ -167,6 +167,24 @@ def alternated_excess(first, second, pairs: int, group) -> dict:
     return {**st, "q1_us": float(q[0]), "median_us": float(q[1]), "q3_us": float(q[2])}
 
 
+def fused_residual_columns(variants: dict) -> list[str]:
+    """The fused columns whose residual over ``fa_ours`` is reported: ``fused`` and every fused variant."""
+    return ["fused"] + ["fused_" + name for name, knobs in variants.items() if "mode" in knobs]
+
+
+def apply_alternated(row: dict, fused_columns: list[str]) -> None:
+    """Long kernels: the adjacent-launch residuals in ``row["alternated"]`` replace the round-paired ones
+    (kept as ``<column>_E_res_round_paired_us``), for ``fused`` and each fused variant, and cc − fused."""
+    alt = row.get("alternated") or {}
+    for c in fused_columns:
+        key = f"{c}_minus_fa_ours"
+        if key in alt:
+            row[c + "_E_res_round_paired_us"] = row.get(c + "_E_res_us")
+            row[c + "_E_res_us"] = alt[key]["median_us"]
+    if "fused_cc_minus_fused" in alt:
+        row["fused_cc_minus_fused_us"] = alt["fused_cc_minus_fused"]["median_us"]
+
+
 def pair_stats(firsts: list[float], seconds: list[float]) -> dict:
     """Quartiles of the per-pair differences second − first (µs), and each kernel's median."""
     if not firsts or len(firsts) != len(seconds):
@@ -291,9 +309,9 @@ def _run(rank, world, args):
                 row[name + "_us"] = t
             if args.alternate_pairs and medians.get("fa_ours", 0.0) >= args.alternate_min_us:
                 # Long kernels: residuals from adjacent launches (see alternated_excess).
-                pairs = {"fused_minus_fa_ours": ("fa_ours", "fused"),
-                         "fused_cc_minus_fused": ("fused", "fused_cc"),
+                pairs = {"fused_cc_minus_fused": ("fused", "fused_cc"),
                          "serial_ours_nccl_minus_fa_plain": ("fa_ours_plain_order", "serial_ours_nccl")}
+                pairs.update({f"{c}_minus_fa_ours": ("fa_ours", c) for c in fused_residual_columns(args.variants)})
                 row["alternated"] = {key: alternated_excess(cols[a], cols[b], args.alternate_pairs, None)
                                      for key, (a, b) in pairs.items() if a in captured and b in captured}
             fused.settle(q)  # remote visibility of the sender-side fused runs, once after all replays
@@ -344,14 +362,8 @@ def _run(rank, world, args):
                 for ser in ("serial_ours_nccl", "serial_fa4_nccl"):
                     if ser + "_us" in row and "fused_us" in row:
                         row["speedup_fused_over_" + ser] = row[ser + "_us"] / row["fused_us"]
-                alt = row.get("alternated")
                 alt = row.get("alternated") or {}
-                # adjacent-launch residuals replace the round-paired ones for long kernels
-                if "fused_minus_fa_ours" in alt:
-                    row["fused_E_res_round_paired_us"] = row.get("fused_E_res_us")
-                    row["fused_E_res_us"] = alt["fused_minus_fa_ours"]["median_us"]
-                if "fused_cc_minus_fused" in alt:
-                    row["fused_cc_minus_fused_us"] = alt["fused_cc_minus_fused"]["median_us"]
+                apply_alternated(row, fused_residual_columns(args.variants))
                 if "serial_ours_nccl_us" in row and "fused_us" in row:
                     exposed = (alt["serial_ours_nccl_minus_fa_plain"]["median_us"]
                                if "serial_ours_nccl_minus_fa_plain" in alt else

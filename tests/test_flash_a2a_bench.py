@@ -110,3 +110,26 @@ def test_markdown_table_has_one_line_per_row_with_its_numbers(tmp_path):
     assert first[5] == f"{rows[0]['fa4_us'] / rows[0]['fa_ours_us']:.3f}"  # T_FA4 / T_ours
     assert "[rounds +123]" in lines[-1]
     assert "–" in lines[2]  # columns a row lacks (cuDNN here) print as a dash, not a crash
+
+
+def test_alternated_residuals_replace_round_paired_ones_for_every_fused_column():
+    from flash_a2a.bench import apply_alternated, fused_residual_columns
+
+    rng = random.Random()
+    variants = {"self": {"mode": "piggyback", "self_store": True}, "pin40": {"pin_softmax": 40}}
+    cols = fused_residual_columns(variants)
+    assert cols == ["fused", "fused_self"], cols  # FA-only variants have no residual
+    paired = {c: rng.uniform(-50, 50) for c in cols}
+    alt = {c: rng.uniform(-50, 50) for c in cols}
+    cc = rng.uniform(0, 100)
+    row = {c + "_E_res_us": paired[c] for c in cols}
+    row["fused_cc_minus_fused_us"] = -1.0
+    row["alternated"] = {**{f"{c}_minus_fa_ours": {"median_us": alt[c]} for c in cols},
+                         "fused_cc_minus_fused": {"median_us": cc}}
+    apply_alternated(row, cols)
+    for c in cols:
+        assert row[c + "_E_res_us"] == alt[c] and row[c + "_E_res_round_paired_us"] == paired[c]
+    assert row["fused_cc_minus_fused_us"] == cc
+    short = {"fused_E_res_us": 3.0}  # short kernels: no alternated block, nothing replaced
+    apply_alternated(short, cols)
+    assert short == {"fused_E_res_us": 3.0}
