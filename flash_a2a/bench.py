@@ -53,7 +53,8 @@ def add_arguments(p) -> None:
     p.add_argument("--table", metavar="JSON", default=None,
                    help="print a saved result as the README's Markdown table (no GPU)")
     p.add_argument("--no-spans", dest="spans", action="store_false",
-                   help="skip the one instrumented fused launch per shape (per-tile store spans)")
+                   help="skip the instrumented launches per shape (per-tile store spans of the fused kernel and of "
+                        "FA-only in the same tile order)")
     p.add_argument("--alternate-pairs", type=int, default=48,
                    help="adjacent-launch pairs per residual for long kernels (0: off)")
     p.add_argument("--alternate-min-us", type=float, default=500.0,
@@ -330,19 +331,28 @@ def _run(rank, world, args):
                 # The summary comes from the second launch, after a barrier: the first instrumented launch of a
                 # process ran while the peer was still compiling it, and measured 70-110 µs bursts and a
                 # globaltimer jump that a repeat of the same shape did not show (2ca7a0c, 3 heads/8K).
+                # The same for our FA-only kernel in the same tile order, as the control: its "remote" tiles are
+                # the ones the fused kernel would send (stored locally here), and its clock estimate shows
+                # whether the fused launch ran at a lower SM clock (a power-limited chip pays for NVLink too).
+                sp_local = torch.zeros_like(sp)
+                launches = {"spans": lambda: fused.launch(q, k, v, mode="piggyback", wait=True, spans=sp),
+                            "spans_fa_only": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
+                                                                     spans=sp_local)}
                 for _ in range(2):
-                    torch.cuda.synchronize()
-                    dist.barrier()
-                    fused.launch(q, k, v, mode="piggyback", wait=True, spans=sp)
+                    for launch in launches.values():
+                        torch.cuda.synchronize()
+                        dist.barrier()
+                        launch()
                 torch.cuda.synchronize()
                 fused.check()
                 sms = torch.cuda.get_device_properties(0).multi_processor_count
-                try:  # rank-local reading: a bad dump is recorded, not fatal
-                    row["spans"] = summarize_spans(sp.cpu().numpy(), world=world, rank=rank,
+                for key, dump in (("spans", sp), ("spans_fa_only", sp_local)):
+                    try:  # rank-local reading: a bad dump is recorded, not fatal
+                        row[key] = summarize_spans(dump.cpu().numpy(), world=world, rank=rank,
                                                    n_mb_per_rank=s // world // 128, h_loc=h_loc, batch=1,
                                                    grid=min(n_tiles_all, sms), bytes_per_row_half=64 * HEAD_DIM * 2)
-                except ValueError as e:
-                    row["spans_error"] = str(e)
+                    except ValueError as e:
+                        row[key + "_error"] = str(e)
             if "fa4" in base:
                 o4 = base["fa4"](q, k, v)
                 row["max_abs_diff_vs_fa4"] = float((o4.float() - ref.float()).abs().max())
