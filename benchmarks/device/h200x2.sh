@@ -33,7 +33,7 @@ for stage in $stages; do
       timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fused_diag.json" \
         --seq-lens 8192 16384 --replays 8 --no-spans --skip fa_ours_no_overlap fa_ours_lag_v \
         fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned fa_ours_plain_order pre_a2a_nccl pre_a2a_symm cudnn \
-        --variants '{"self":{"mode":"piggyback","self_store":true},"self_nosig":{"mode":"piggyback","self_store":true,"signal":false},"nosig":{"mode":"piggyback","signal":false}}' \
+        --variants '{"self":{"mode":"piggyback","self_store":true},"self_nosig":{"mode":"piggyback","self_store":true,"signal":false},"nosig":{"mode":"piggyback","signal":false},"np":{"persistent":false}}' \
         2>&1 | tee "$OUT/fadiag.log" ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
