@@ -130,7 +130,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     dm = _dummy(q.device)
     _kernel(q.dtype, d, "local", spans is not None, overlap, **variant)(
         q, k, v, out, dm.i64, dm.i64, dm.i64, dm.i64, dm.i32, dm.i32, spans if spans is not None else dm.spans,
-        _scale(softmax_scale, d), 0, tile_order_world, _grid(n_tiles, q.device, persistent), DEFAULT_TIMEOUT_NS)
+        (out,), _scale(softmax_scale, d), 0, tile_order_world, _grid(n_tiles, q.device, persistent), DEFAULT_TIMEOUT_NS)
     return out
 
 
@@ -171,9 +171,10 @@ class FusedAttentionA2A:
         check_spans(spans, n_tiles, q.device)
         dm = _dummy(q.device)
         out_ptrs = torch.full_like(st.out_ptrs, st.out.data_ptr()) if self_store else st.out_ptrs
-        _kernel(q.dtype, d, mode, spans is not None, **variant)(
+        dsts = (st.out,) * self.world if self_store else st.peer_outs  # tensor maps of store="tma"
+        _kernel(q.dtype, d, mode, spans is not None, n_dst=self.world, **variant)(
             q, k, v, q, out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
-            spans if spans is not None else dm.spans, _scale(softmax_scale, d), self.rank, self.world,
+            spans if spans is not None else dm.spans, dsts, _scale(softmax_scale, d), self.rank, self.world,
             _grid(n_tiles, q.device), self.timeout_ns)
         if wait:
             st.wait(self.world, self.timeout_ns)

@@ -45,7 +45,7 @@ from flash_a2a.epoch import announce_ready, await_all_ready, publish_done, ready
 from flash_a2a.mapping import tile_coords  # noqa: F401 - the kernel's tile walk, shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
-STORES = ("st", "bulk")
+STORES = ("st", "bulk", "tma")
 O_PAD = 8  # elements of padding per row of the "bulk" output buffer: a 272 B pitch keeps stmatrix conflict-free
 TILE_M = 128
 TILE_N = 128
@@ -126,7 +126,8 @@ class FlashAttentionA2AForward:
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", num_stages: int = 2,
                  instrument: bool = False, overlap: bool = True, lag_v: bool = False,
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
-                 p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool = True):
+                 p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool = True,
+                 n_dst: int = 1):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -138,8 +139,16 @@ class FlashAttentionA2AForward:
         # store: how a warpgroup's 64 output rows leave shared memory. "st": its 128 threads load them back and
         # issue 128-bit stores (the LSU carries them to HBM or NVLink); "bulk": 64 of its threads each hand one
         # row to the TMA engine (cp.async.bulk, 256 B per row), which streams it out while the warpgroup goes
-        # on; the row buffer is then unswizzled and padded (conflict-free stmatrix, contiguous rows).
+        # on; the row buffer is then unswizzled and padded (conflict-free stmatrix, contiguous rows); "tma":
+        # one thread issues a TMA tensor store of the whole 64-row half from the swizzled buffer (FA3/FA4's
+        # epilogue), through one tensor map per destination (``n_dst`` of them: 1 local, P fused), so no
+        # register holds output data once the store is issued.
         self.store = store
+        if mode == "local" and n_dst != 1:
+            raise ValueError("the local kernel has one destination (n_dst=1)")
+        if n_dst < 1:
+            raise ValueError(f"n_dst must be >= 1, got {n_dst}")
+        self.n_dst = n_dst
         # signal=False (fused modes, a benchmark control only): no ready wait, no completion flags, so the
         # output is never announced to its receivers; it prices the flag protocol against signal=True.
         self.signal = signal
@@ -196,13 +205,21 @@ class FlashAttentionA2AForward:
         flags, epoch = (make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8) for _ in range(2))
         counter, errors = (make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4) for _ in range(2))
         spans = make_fake_tensor(Int64, (cute.sym_int64(), 4), stride=(4, 1), assumed_align=16)
-        return (qkv(), qkv(), qkv(), qkv(), i64, i64b, flags, epoch, counter, errors, spans,
+
+        def dst():  # a destination (b, rows, heads, d): the local output, or one rank's post-A2A buffer
+            return make_fake_tensor(self.dtype, (cute.sym_int64(), cute.sym_int64(divisibility=64), cute.sym_int64(),
+                                                 d),
+                                    stride=(cute.sym_int64(divisibility=self.vec), cute.sym_int64(divisibility=self.vec),
+                                            cute.sym_int64(divisibility=self.vec), 1), assumed_align=16)
+
+        dsts = tuple(dst() for _ in range(self.n_dst))
+        return (qkv(), qkv(), qkv(), qkv(), i64, i64b, flags, epoch, counter, errors, spans, dsts,
                 Float32(1.0), Int32(0), Int32(1), Int32(1), Int64(1))
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  out_ptrs: cute.Tensor, flag_ptrs: cute.Tensor, flags: cute.Tensor, epoch: cute.Tensor,
-                 counter: cute.Tensor, errors: cute.Tensor, spans: cute.Tensor, softmax_scale: Float32,
+                 counter: cute.Tensor, errors: cute.Tensor, spans: cute.Tensor, dsts: tuple, softmax_scale: Float32,
                  rank: Int32, world: Int32, grid: Int32, timeout_ns: Int64, stream: cuda.CUstream):
         d = self.head_dim
         # (b, s, h, d) -> (s, d, h, b): TMA tiles over (rows, head dim) of one (head, batch).
@@ -227,6 +244,12 @@ class FlashAttentionA2AForward:
                                                     (TILE_N, d), 1)
         tma_v, gV_tma = cpasync.make_tiled_tma_atom(load_op, mVt, cute.select(sV_layout, mode=[0, 1]),
                                                     (TILE_N, d), 1)
+        tma_os, gO_tmas = None, None
+        if const_expr(self.store == "tma"):
+            sO_half = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (64, d))
+            made = [cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), layout_utils.select(t, sel),
+                                                sO_half, (64, d)) for t in dsts]
+            tma_os, gO_tmas = tuple(m[0] for m in made), tuple(m[1] for m in made)
         tx_q = cute.size_in_bytes(self.dtype, sQ_layout)
         tx_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
 
@@ -243,15 +266,15 @@ class FlashAttentionA2AForward:
 
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         self.kernel(gQ_tma, gK_tma, gV_tma, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans,
-                    tma_q, tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
-                    tx_q, tx_kv, scale_log2, rank, world, timeout_ns, SharedStorage).launch(
+                    tma_os, gO_tmas, tma_q, tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk,
+                    tiled_mma_pv, tx_q, tx_kv, scale_log2, rank, world, timeout_ns, SharedStorage).launch(
             grid=(grid, 1, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                out_ptrs: cute.Tensor, flag_ptrs: cute.Tensor, flags: cute.Tensor, epoch: cute.Tensor,
-               counter: cute.Tensor, errors: cute.Tensor, spans: cute.Tensor,
+               counter: cute.Tensor, errors: cute.Tensor, spans: cute.Tensor, tma_os, gO_tmas,
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -316,7 +339,8 @@ class FlashAttentionA2AForward:
                               n_kv, n_mb_per_rank, h_loc, rank, world, bidx, grid)
         else:
             cute.arch.setmaxregister_increase(240)
-            self.consumer(mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, ready_mbar, sQ, sK, sV,
+            self.consumer(mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, tma_os, gO_tmas,
+                          ready_mbar, sQ, sK, sV,
                           sO, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world,
                           timeout_ns, n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx - WG_THREADS,
                           bidx, grid)
@@ -469,7 +493,16 @@ class FlashAttentionA2AForward:
         return kv_state
 
     @cute.jit
-    def consumer(self, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, ready_mbar, sQ, sK, sV,
+    def tma_store_half(self, tma_o: cute.CopyAtom, gO_tma: cute.Tensor, sO_wg: cute.Tensor, head, bb, row_blk):
+        """One thread: TMA-store this warpgroup's 64 x d half (swizzled sO rows) to rows 64 * row_blk.. of
+        (head, batch) in one destination's (rows, d, heads, batch) tensor map."""
+        gO = cute.local_tile(gO_tma[None, None, head, bb], (64, self.head_dim), (row_blk, 0))
+        store, _, _ = copy_utils.tma_get_copy_fn(tma_o, 0, cute.make_layout(1), sO_wg, gO, single_stage=True)
+        store()
+
+    @cute.jit
+    def consumer(self, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, tma_os, gO_tmas,
+                 ready_mbar, sQ, sK, sV,
                  sO, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world, timeout_ns,
                  n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx, bidx, grid):
         d = self.head_dim
@@ -527,9 +560,12 @@ class FlashAttentionA2AForward:
             if const_expr(self.store == "bulk"):
                 if ltid < 64:  # the TMA engine has read the previous tile's row out of sO
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(self.store == "tma"):
+                if ltid == 0:  # the TMA engine has read the previous tile's half out of sO
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)  # sO rows free again
             cute.copy(st_atom, thr_st.retile(r_o), tOsO)
-            if const_expr(self.store == "bulk"):
+            if const_expr(self.store != "st"):
                 cute.arch.fence_proxy("async.shared", space="cta")  # stmatrix writes -> the TMA engine's reads
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
             if const_expr(self.store == "st"):
@@ -551,7 +587,21 @@ class FlashAttentionA2AForward:
                                           divby=self.vec)
                 row_stride = cute.assume(heads * d, divby=d)
             gt0, ck0 = cute.arch.globaltimer(), cute.arch.clock64()
-            if const_expr(self.store == "bulk"):
+            if const_expr(self.store == "tma"):
+                if ltid == 0:
+                    if const_expr(self.mode == "local"):
+                        self.tma_store_half(tma_os[0], gO_tmas[0], sO_wg, h, bb, m_block * 2 + wg)
+                    else:
+                        drow_blk = (m_block - dest * n_mb_per_rank) * 2 + wg
+                        for j in cutlass.range_constexpr(self.n_dst):
+                            if dest == j:
+                                self.tma_store_half(tma_os[j], gO_tmas[j], sO_wg, rank * h_loc + h, bb, drow_blk)
+                    cute.arch.cp_async_bulk_commit_group()
+                    if const_expr(self.mode == "completion_coupled"):
+                        cute.arch.cp_async_bulk_wait_group(0)  # the half's writes are complete
+                        cute.arch.fence_proxy("async.global")
+                        cute.arch.fence_acq_rel_sys()
+            elif const_expr(self.store == "bulk"):
                 if ltid < 64:
                     row_src = sO.iterator + (wg * 64 + ltid) * (d + O_PAD)
                     copy_utils.cpasync_bulk_s2g(row_src, base + Int64(ltid) * row_stride, d * self.dtype.width // 8)
@@ -574,8 +624,9 @@ class FlashAttentionA2AForward:
                     spans[row, 2] = ck0
                     spans[row, 3] = cute.arch.clock64()
 
-        if const_expr(self.store == "bulk"):
-            if tidx % WG_THREADS < 64:  # every row written (and read out of sO before the CTA exits)
+        if const_expr(self.store != "st"):
+            issuers = 64 if self.store == "bulk" else 1
+            if tidx % WG_THREADS < issuers:  # the issuing threads: every write complete, sO read before exit
                 cute.arch.cp_async_bulk_wait_group(0)
                 cute.arch.fence_proxy("async.global")
         if const_expr(self.flags_on):

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("cutlass")
 
 
-@pytest.mark.parametrize("store", ["st", "bulk"])
+@pytest.mark.parametrize("store", ["st", "bulk", "tma"])
 @pytest.mark.parametrize("mode", ["local", "piggyback", "completion_coupled"])
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_variants_compile_with_wgmma(tmp_path, mode, head_dim, store):
@@ -21,12 +21,15 @@ def test_variants_compile_with_wgmma(tmp_path, mode, head_dim, store):
     from cute_kernels.compile import compile_kernel, ptxas_resource_usage
     from flash_a2a.attention import FlashAttentionA2AForward
 
-    k = FlashAttentionA2AForward(head_dim=head_dim, mode=mode, store=store)
+    k = FlashAttentionA2AForward(head_dim=head_dim, mode=mode, store=store, n_dst=1 if mode == "local" else 2)
     c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
     assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16") >= 2 * (head_dim // 16)
     assert c.ptx_count(r"cp\.async\.bulk\.tensor") >= 3, "Q, K, V through TMA"
     if store == "st":
         assert c.ptx_count(r"st\.global\.v4") >= 1, "128-bit output stores"
+    elif store == "tma":
+        assert c.ptx_count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta") >= 1, "TMA tensor stores"
+        assert c.ptx_count(r"st\.global\.v4") == 0
     else:
         assert c.ptx_count(r"cp\.async\.bulk\.global\.shared::cta") >= 1, "rows handed to the TMA engine"
         assert c.ptx_count(r"st\.global\.v4") == 0
@@ -176,7 +179,8 @@ def test_tile_order_and_mainloop_variants_agree():
     assert torch.equal(flash_attention(q, k, v, tile_order_world=2), base), "tile order must not change O"
     for variant in ({"lag_v": True}, {"sync_first_block": False}, {"persistent": False}, {"pin_softmax": True},
                     {"pin_softmax": False, "rescale_before_pv": False}, {"pin_softmax": 40}, {"p_first": True},
-                    {"store": "bulk"}, {"store": "bulk", "pin_softmax": 34}):
+                    {"store": "bulk"}, {"store": "bulk", "pin_softmax": 34}, {"store": "tma"},
+                    {"store": "tma", "pin_softmax": 34}):
         assert torch.equal(flash_attention(q, k, v, **variant), base), variant
     assert rel_err(flash_attention(q, k, v, overlap=False), reference_attention(q, k, v)) <= 1e-2
 
@@ -204,7 +208,8 @@ def _worker(rank, world, init_file, path):
         checked = 0
         for shape in [(1, 1024, 2, 128), (2, 2048, 3, 128), (1, 512, 1, 64)]:
             for mode, knobs in (("piggyback", {}), ("completion_coupled", {}), ("piggyback", {"store": "bulk"}),
-                                ("completion_coupled", {"store": "bulk"})):
+                                ("completion_coupled", {"store": "bulk"}), ("piggyback", {"store": "tma"}),
+                                ("completion_coupled", {"store": "tma"})):
                 for _ in range(2):
                     q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
                     local = flash_attention(q, k, v)
@@ -277,7 +282,7 @@ def _worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_matches_local_plus_reference_a2a(tmp_path):
     for res in run_ranks(_worker, tmp_path):
-        assert res["checked"] == 27
+        assert res["checked"] == 39
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"

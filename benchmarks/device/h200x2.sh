@@ -28,13 +28,14 @@ for stage in $stages; do
       timeout ${FA_TIMEOUT:-480} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/flash_a2a.json" \
         ${FA_ARGS:---replays 6 --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all} 2>&1 | tee "$OUT/fa.log" ;;
     fadiag)
-      # Decomposes the fused residual at M = 8K/16K: fused_self_nosig - fa_ours (epilogue code), fused_self -
-      # fused_self_nosig (flag protocol), fused - fused_self (NVLink stores); spans of both kernels (clock,
-      # time between bursts); FA-only one CTA per tile (FA4's SM90 launch) beside the persistent one.
+      # Decomposes the fused residual (M = $FADIAG_SEQ, default 8K): fused_self_nosig - fa_ours (epilogue code),
+      # fused_self - fused_self_nosig (flag protocol), fused - fused_self (NVLink stores); spans of both kernels
+      # (clock, time between bursts); FA-only one CTA per tile (FA4's SM90 launch); TMA-store epilogues
+      # (first_row and pin 34, which schedules the mainloop like the default's 51 of 66 exponentials).
       timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fused_diag.json" \
-        --seq-lens 8192 16384 --replays 6 --skip fa_ours_no_overlap fa_ours_lag_v \
+        --seq-lens ${FADIAG_SEQ:-8192} --replays 6 --skip fa_ours_no_overlap fa_ours_lag_v \
         fa_ours_pin_all fa_ours_unpinned fa_ours_plain_order pre_a2a_nccl pre_a2a_symm cudnn \
-        --variants '{"self":{"mode":"piggyback","self_store":true},"self_nosig":{"mode":"piggyback","self_store":true,"signal":false},"nosig":{"mode":"piggyback","signal":false}}' \
+        --variants '{"self":{"mode":"piggyback","self_store":true},"self_nosig":{"mode":"piggyback","self_store":true,"signal":false},"nosig":{"mode":"piggyback","signal":false},"tma":{"store":"tma"},"tma34":{"store":"tma","pin_softmax":34},"pbtma":{"mode":"piggyback","store":"tma"},"pbtma34":{"mode":"piggyback","store":"tma","pin_softmax":34}}' \
         2>&1 | tee "$OUT/fadiag.log" ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
