@@ -52,6 +52,9 @@ def add_arguments(p) -> None:
                    help="recompute the model columns of a saved result and redraw its figure (no GPU)")
     p.add_argument("--table", metavar="JSON", default=None,
                    help="print a saved result as the README's Markdown table (no GPU)")
+    p.add_argument("--split", metavar="JSON", default=None,
+                   help="print the fused residual of a saved fadiag result split into epilogue code, flag "
+                        "protocol and NVLink stores (no GPU)")
     p.add_argument("--no-spans", dest="spans", action="store_false",
                    help="skip the instrumented launches per shape (per-tile store spans of the fused kernel and of "
                         "FA-only in the same tile order)")
@@ -552,6 +555,16 @@ def plot(result: dict, path: str) -> None:
 
 
 def run(args) -> int:
+    if args.split:
+        from flash_a2a.report import residual_split_text
+
+        try:
+            with open(args.split) as f:
+                print(residual_split_text(json.load(f)))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"xstage: error: cannot read {args.split}: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.table:
         from flash_a2a.report import markdown_table_file
 

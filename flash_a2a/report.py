@@ -56,3 +56,34 @@ def markdown_table(result: dict) -> str:
 def markdown_table_file(path: str) -> str:
     with open(path) as f:
         return markdown_table(json.load(f))
+
+
+SPLIT_PARTS = (("epilogue code", "fused_self_nosig", None),
+               ("flag protocol", "fused_self", "fused_self_nosig"),
+               ("NVLink stores", "fused", "fused_self"),
+               ("NVLink stores, no flags", "fused_nosig", "fused_self_nosig"))
+
+
+def residual_split(row: dict) -> dict:
+    """The fused residual of one row taken apart by the control columns of ``benchmarks/device/h200x2.sh
+    fadiag`` (each residual is over ``fa_ours``): the fused kernel's epilogue code alone (every tile stored
+    locally, no flags), what the flag protocol adds, and what sending the tiles over NVLink adds (with and
+    without flags). Parts whose columns are missing are left out; values in µs."""
+    out = {}
+    for name, col, base in SPLIT_PARTS:
+        e = row.get(col + "_E_res_us")
+        b = 0.0 if base is None else row.get(base + "_E_res_us")
+        if e is not None and b is not None:
+            out[name] = e - b
+    if row.get("fused_E_res_us") is not None:
+        out["total"] = row["fused_E_res_us"]
+    return out
+
+
+def residual_split_text(result: dict) -> str:
+    lines = []
+    for r in result["rows"]:
+        parts = residual_split(r)
+        lines.append(f"{r['heads_per_rank']} heads/rank, M = {r['seq_len']}: "
+                     + ", ".join(f"{k} {v:+.1f} µs" for k, v in parts.items()))
+    return "\n".join(lines)

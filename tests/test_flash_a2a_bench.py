@@ -133,3 +133,18 @@ def test_alternated_residuals_replace_round_paired_ones_for_every_fused_column()
     short = {"fused_E_res_us": 3.0}  # short kernels: no alternated block, nothing replaced
     apply_alternated(short, cols)
     assert short == {"fused_E_res_us": 3.0}
+
+
+def test_residual_split_takes_the_controls_apart():
+    from flash_a2a.report import residual_split
+
+    rng = random.Random()
+    code, flags, link, link_noflags = (rng.uniform(0, 10) for _ in range(4))
+    row = {"fused_self_nosig_E_res_us": code, "fused_self_E_res_us": code + flags,
+           "fused_E_res_us": code + flags + link, "fused_nosig_E_res_us": code + link_noflags}
+    split = residual_split(row)
+    assert split["epilogue code"] == pytest.approx(code) and split["flag protocol"] == pytest.approx(flags)
+    assert split["NVLink stores"] == pytest.approx(link)
+    assert split["NVLink stores, no flags"] == pytest.approx(link_noflags)
+    assert split["total"] == pytest.approx(code + flags + link)
+    assert residual_split({"fused_E_res_us": 1.0}) == {"total": 1.0}  # no controls: nothing to split
