@@ -44,6 +44,7 @@ class SymmetricOutput:
         fhdl = symm_mem.rendezvous(self.flags, group)
         self.flags.zero_()
         self.out_ptrs = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=device)
+        self.self_ptrs = torch.full_like(self.out_ptrs, self.out.data_ptr())  # the self-store control's table
         self.flag_ptrs = torch.tensor(list(fhdl.buffer_ptrs), dtype=torch.int64, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
