@@ -170,7 +170,7 @@ class FusedAttentionA2A:
         n_tiles = (s // TILE_M) * h_loc * b
         check_spans(spans, n_tiles, q.device)
         dm = _dummy(q.device)
-        out_ptrs = torch.full_like(st.out_ptrs, st.out.data_ptr()) if self_store else st.out_ptrs
+        out_ptrs = st.self_ptrs if self_store else st.out_ptrs
         dsts = (st.out,) * self.world if self_store else st.peer_outs  # tensor maps of store="tma"
         _kernel(q.dtype, d, mode, spans is not None, n_dst=self.world, **variant)(
             q, k, v, q, out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
