@@ -45,12 +45,9 @@ class SymmetricOutput:
         fhdl = symm_mem.rendezvous(self.flags, group)
         self.flags.zero_()
         self.out_ptrs = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=device)
-<<<<<<< HEAD
         # every rank's buffer as a tensor on this device (the peer mappings), for kernels that need tensor maps
         self.peer_outs = tuple(hdl.get_buffer(j, shape, dtype) for j in range(world))
-=======
         self.self_ptrs = torch.full_like(self.out_ptrs, self.out.data_ptr())  # the self-store control's table
->>>>>>> main
         self.flag_ptrs = torch.tensor(list(fhdl.buffer_ptrs), dtype=torch.int64, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
