@@ -158,11 +158,13 @@ class FusedAttentionA2A:
         ``variant``: mainloop knobs of ``FlashAttentionA2AForward``, for side-by-side benchmarks.
         ``self_store=True`` (a benchmark control, the output is garbage): every tile goes to this rank's own
         buffer at its destination offset, so the same fused kernel runs without NVLink traffic.
-        ``signal=False`` (a control too, with ``wait=False``): the kernel without the flag protocol."""
+        ``signal`` other than True (controls too, with ``wait=False``): the kernel without the flag protocol
+        (False) or with a part of it left out ("nofence", "done", "done_nofence"; see ``FlashAttentionA2AForward``)."""
         if mode not in MODES[1:]:
             raise ValueError(f"mode must be 'piggyback' or 'completion_coupled', got {mode!r}")
-        if not variant.get("signal", True) and wait:
-            raise ValueError("signal=False (a benchmark control) never completes the output: pass wait=False")
+        if variant.get("signal", True) is not True and wait:
+            raise ValueError(f"signal={variant['signal']!r} (a benchmark control) never completes the output "
+                             "safely: pass wait=False")
         check_qkv(q, k, v, self.world)
         check_ulysses_shapes(q.shape[1], q.shape[2] * self.world, self.world, TILE_M)
         st = self.state(q)

@@ -52,6 +52,7 @@ TILE_N = 128
 WG_THREADS = 128
 EPILOGUE_BARRIER = 1  # named barriers 1, 2: one per MMA warpgroup (0 is __syncthreads)
 SCHEDULER_BARRIER = 4  # 4, 5: warpgroup ping-pong on GEMM issue
+SIGNALS = (True, False, "nofence", "done", "done_nofence")
 DONE_BARRIER = 6  # fused modes: the MMA warpgroups' last stores and the announcing warp, before publish_done
 DONE_THREADS = (TILE_M // 64) * WG_THREADS + 32
 
@@ -126,7 +127,7 @@ class FlashAttentionA2AForward:
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", num_stages: int = 2,
                  instrument: bool = False, overlap: bool = True, lag_v: bool = False,
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
-                 p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool = True,
+                 p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
                  n_dst: int = 1):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -149,10 +150,18 @@ class FlashAttentionA2AForward:
         if n_dst < 1:
             raise ValueError(f"n_dst must be >= 1, got {n_dst}")
         self.n_dst = n_dst
-        # signal=False (fused modes, a benchmark control only): no ready wait, no completion flags, so the
-        # output is never announced to its receivers; it prices the flag protocol against signal=True.
+        # signal (fused modes): True runs the whole flag protocol. The other values are benchmark controls that
+        # price its parts (the output is never announced, or announced without the ordering guarantee): False,
+        # no protocol; "nofence", all but the completion fence; "done", the completion flags without the ready
+        # wait; "done_nofence", neither the ready wait nor the fence. Every value but False advances the epoch
+        # and adds the data flags, so the receivers' waits stay consistent across columns.
+        if signal not in SIGNALS:
+            raise ValueError(f"signal must be one of {SIGNALS}, got {signal!r}")
         self.signal = signal
-        self.flags_on = mode != "local" and signal
+        fused = mode != "local"
+        self.flags_on = fused and signal is not False  # epoch advance and data flags
+        self.ready_on = fused and signal in (True, "nofence")
+        self.done_fence = fused and signal in (True, "done")
         self.dtype, self.head_dim, self.mode, self.num_stages = dtype, head_dim, mode, num_stages
         self.instrument = instrument
         # overlap: issue block n's QKᵀ with block n-1's PV inside a warpgroup, and ping-pong GEMM issue between
@@ -302,7 +311,7 @@ class FlashAttentionA2AForward:
                                                   num_stages=self.num_stages, producer_group=one_thread,
                                                   consumer_group=mma_warps, tx_count=tx_kv, defer_sync=True)
         ready_mbar = storage.mbar_ready.data_ptr()
-        if const_expr(self.flags_on):
+        if const_expr(self.ready_on):
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_init(ready_mbar, 1)
@@ -329,9 +338,10 @@ class FlashAttentionA2AForward:
             cute.arch.setmaxregister_decrease(24)
             if const_expr(self.flags_on):
                 if warp_idx == 1:  # idle otherwise: system-scope fences and flag polls cost no MMA time here
-                    e_next = epoch[0] + 1
-                    announce_ready(flag_ptrs, rank, world, e_next, tidx % 32, bidx)
-                    await_all_ready(flags, world, e_next, timeout_ns, errors, tidx % 32, bidx, ready_mbar)
+                    if const_expr(self.ready_on):
+                        e_next = epoch[0] + 1
+                        announce_ready(flag_ptrs, rank, world, e_next, tidx % 32, bidx)
+                        await_all_ready(flags, world, e_next, timeout_ns, errors, tidx % 32, bidx, ready_mbar)
                     # the CTA's completion waits for this warp too: it must read the epoch before it advances
                     cute.arch.barrier_arrive(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
             if warp_idx == 0:
@@ -575,7 +585,7 @@ class FlashAttentionA2AForward:
                 base = mO.iterator + cute.assume(((Int64(bb) * seq + row0) * h_loc + h) * d, divby=self.vec)
                 row_stride = cute.assume(h_loc * d, divby=d)
             else:
-                if const_expr(self.flags_on):
+                if const_expr(self.ready_on):
                     ready_wait(ready_mbar)
                 # Destination row from block counts, not from S/P: holding S/P live across the mainloop (a
                 # division ptxas keeps in a register) changed its schedule (61 of 66 exponentials ahead of the
@@ -631,4 +641,5 @@ class FlashAttentionA2AForward:
                 cute.arch.fence_proxy("async.global")
         if const_expr(self.flags_on):
             cute.arch.barrier(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
-            publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), Int32(bidx), tidx)
+            publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), Int32(bidx), tidx,
+                         self.done_fence)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, const_expr
 
 from cute_kernels import flags as fl
 
@@ -88,16 +88,18 @@ def ready_wait(ready_mbar):
 
 @cute.jit
 def publish_done(flag_ptrs: cute.Tensor, counter: cute.Tensor, epoch: cute.Tensor, rank: Int32, world: Int32,
-                 e_next: Int64, grid: Int32, bidx: Int32, tidx: Int32):
+                 e_next: Int64, grid: Int32, bidx: Int32, tidx: Int32, fence: cutlass.Constexpr = True):
     """Call after a barrier of every thread of the CTA that stored. Thread 0 fences once at system scope
     (release pattern: cumulative, so it covers the stores the barrier ordered before it), adds the CTA's
     share to every receiver's data flag for this sender (relaxed, no reply awaited), and arrives on the
     launch's arrival counter; the last CTA to arrive advances the device epoch and resets the counter for
     the next launch on this stream (local words, ordered for that launch by the kernel boundary). One
-    fence on the kernel's last path."""
+    fence on the kernel's last path. ``fence=False`` (a benchmark control pricing the fence, never for real
+    output): the flags without it."""
     if tidx == 0:
         share = Int64(cta_share(bidx, grid))
-        cute.arch.fence_acq_rel_sys()
+        if const_expr(fence):
+            cute.arch.fence_acq_rel_sys()
         for j in cutlass.range(world, unroll=1):
             cute.arch.red(_peer_flag(flag_ptrs, j, rank), share, op="add", dtype="u64", sem="relaxed", scope="sys")
         arrived = cute.arch.atomic_add(fl.elem_ptr(counter, 0), Int32(1), sem="relaxed", scope="gpu")

@@ -73,24 +73,28 @@ def test_pinned_softmax_overlaps_the_pv_gemm_in_sass(tmp_path, pin, at_least):
 
 
 def test_unsignaled_control_has_no_flag_protocol(tmp_path):
-    """signal=False (a benchmark control) compiles the piggyback kernel without any flag traffic; the
-    default waits for the ready flags from one warp (an mbarrier for the storing warpgroups)."""
+    """Each ``signal`` value compiles to exactly its part of the flag protocol: False none; True the ready
+    polls (one warp, an mbarrier for the storing warpgroups), the completion fence and the data-flag adds;
+    the controls leave out the fence, the ready wait, or both."""
     from cutlass.runtime import make_fake_stream
 
     from cute_kernels.compile import compile_kernel
     from flash_a2a.attention import FlashAttentionA2AForward
 
-    for signal in (False, True):
+    # (completion fences, ready polls, data-flag adds) each signal value must compile to
+    expect = {False: (0, 0, 0), True: (1, 1, 1), "nofence": (0, 1, 1), "done": (1, 0, 1), "done_nofence": (0, 0, 1)}
+    for signal, (want_fences, want_polls, want_adds) in expect.items():
         k = FlashAttentionA2AForward(head_dim=128, mode="piggyback", signal=signal)
         d = tmp_path / str(signal)
         d.mkdir()
         c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(d))
         fences, polls = c.ptx_count(r"fence\.acq_rel\.sys"), c.ptx_count(r"ld\.acquire\.sys")
-        if signal:
-            assert fences == 1 and polls >= 1, (fences, polls)
-        else:
-            assert fences == 0 and polls == 0, (fences, polls)
+        adds = c.ptx_count(r"red\.relaxed\.sys(\.global)?\.add\.u64")
+        got = (fences, min(polls, 1), min(adds, 1))
+        assert got == (want_fences, want_polls, want_adds), (signal, fences, polls, adds)
         assert c.ptx_count(r"st\.global\.v4") >= 1
+    with pytest.raises(ValueError, match="signal"):
+        FlashAttentionA2AForward(head_dim=128, mode="piggyback", signal="sometimes")
 
 
 def test_fused_mainloop_schedules_like_local(tmp_path):

@@ -40,6 +40,15 @@ for stage in $stages; do
         fa_ours_pin_all fa_ours_unpinned fa_ours_plain_order pre_a2a_nccl pre_a2a_symm cudnn \
         --variants '{"self":{"mode":"piggyback","self_store":true},"self_nosig":{"mode":"piggyback","self_store":true,"signal":false},"nosig":{"mode":"piggyback","signal":false},"tma":{"store":"tma"},"tma34":{"store":"tma","pin_softmax":34},"pbtma":{"mode":"piggyback","store":"tma"},"pbtma34":{"mode":"piggyback","store":"tma","pin_softmax":34}}' \
         2>&1 | tee "$OUT/fadiag.log" ;;
+    faparts)
+      # Prices the flag protocol's parts at M = $FADIAG_SEQ (default 8K), with and without NVLink: without the
+      # completion fence ("nofence"), without the ready wait ("done"), without both ("done_nofence").
+      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fused_parts.json" \
+        --seq-lens ${FADIAG_SEQ:-8192} --replays 10 --alternate-min-us 0 --no-spans --skip fa_ours_no_overlap \
+        fa_ours_lag_v fa_ours_pin_all fa_ours_unpinned fa_ours_plain_order fa_ours_nonpersistent pre_a2a_nccl \
+        pre_a2a_symm cudnn a2a_nccl a2a_symm serial_ours_nccl fused_cc fused_visible fa4 serial_fa4_nccl \
+        --variants '{"self":{"mode":"piggyback","self_store":true},"self_nosig":{"mode":"piggyback","self_store":true,"signal":false},"self_nofence":{"mode":"piggyback","self_store":true,"signal":"nofence"},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_donenf":{"mode":"piggyback","self_store":true,"signal":"done_nofence"},"nosig":{"mode":"piggyback","signal":false},"nofence":{"mode":"piggyback","signal":"nofence"},"done":{"mode":"piggyback","signal":"done"}}' \
+        2>&1 | tee "$OUT/faparts.log" ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)
