@@ -564,25 +564,6 @@ class FlashAttentionA2AForward:
             softmax.rescale(acc_o, softmax.finalize())
 
             # ---- epilogue of this warpgroup's 64 rows
-            row0 = m_block * TILE_M + wg * 64
-            if const_expr(self.mode == "local"):
-                base = mO.iterator + cute.assume(((Int64(bb) * seq + row0) * h_loc + h) * d, divby=self.vec)
-                row_stride = cute.assume(h_loc * d, divby=d)
-            else:
-                # The destination's address first: its pointer is a global load whose latency the conversion
-                # and the sO round trip below hide. After the ready wait (an acquire) it sat on every tile's
-                # critical path, before the stores (SASS: LDG after SYNCS.PHASECHK; ~1 µs a tile on H200).
-                # Destination row from block counts, not from S/P: holding S/P live across the mainloop (a
-                # division ptxas keeps in a register) changed its schedule (61 of 66 exponentials ahead of the
-                # PV wait instead of local's 51; tests/test_flash_attention.py checks they now agree).
-                rows_per_rank = n_mb_per_rank * TILE_M
-                drow = (m_block - dest * n_mb_per_rank) * TILE_M + wg * 64
-                peer = cute.make_ptr(self.dtype, out_ptrs[dest], cute.AddressSpace.gmem, assumed_align=16)
-                base = peer + cute.assume(((Int64(bb) * rows_per_rank + drow) * heads + rank * h_loc + h) * d,
-                                          divby=self.vec)
-                row_stride = cute.assume(heads * d, divby=d)
-                if const_expr(self.ready_on):
-                    ready_wait(ready_mbar)
             r_o = cute.make_fragment_like(acc_o, self.dtype)
             r_o.store(acc_o.load().to(self.dtype))
             ltid = tidx % WG_THREADS
@@ -599,6 +580,22 @@ class FlashAttentionA2AForward:
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
             if const_expr(self.store == "st"):
                 cute.autovec_copy(tGsO, tGrO)
+            row0 = m_block * TILE_M + wg * 64
+            if const_expr(self.mode == "local"):
+                base = mO.iterator + cute.assume(((Int64(bb) * seq + row0) * h_loc + h) * d, divby=self.vec)
+                row_stride = cute.assume(h_loc * d, divby=d)
+            else:
+                if const_expr(self.ready_on):
+                    ready_wait(ready_mbar)
+                # Destination row from block counts, not from S/P: holding S/P live across the mainloop (a
+                # division ptxas keeps in a register) changed its schedule (61 of 66 exponentials ahead of the
+                # PV wait instead of local's 51; tests/test_flash_attention.py checks they now agree).
+                rows_per_rank = n_mb_per_rank * TILE_M
+                drow = (m_block - dest * n_mb_per_rank) * TILE_M + wg * 64
+                peer = cute.make_ptr(self.dtype, out_ptrs[dest], cute.AddressSpace.gmem, assumed_align=16)
+                base = peer + cute.assume(((Int64(bb) * rows_per_rank + drow) * heads + rank * h_loc + h) * d,
+                                          divby=self.vec)
+                row_stride = cute.assume(heads * d, divby=d)
             gt0, ck0 = cute.arch.globaltimer(), cute.arch.clock64()
             if const_expr(self.store == "tma"):
                 if ltid == 0:
