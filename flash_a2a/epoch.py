@@ -65,25 +65,19 @@ def ensure_ready(flags: cute.Tensor, ready_mask: Int32, dest: Int32, world: Int3
 
 @cute.jit
 def await_all_ready(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns: Int64, errors: cute.Tensor,
-                    lane: Int32, bidx: Int32, ready_mbar):
+                    lane: Int32, bidx: Int32, gate_barriers: cutlass.Constexpr, gate_threads: cutlass.Constexpr):
     """One warp per CTA, at its start: wait (bounded, acquire, system scope) until every receiver announced
-    epoch ``e_next``, then arrive once on the shared-memory barrier ``ready_mbar`` (arrival count 1). A
-    storing warpgroup then only waits on that barrier before its stores (``ready_wait``): by the first
-    epilogue, a whole Q-loop later, it has long completed, and the wait costs one shared-memory test instead
-    of a system-scope load on the MMA warpgroups' path. On timeout the error word is set and the warp still
-    arrives, so nothing hangs."""
+    epoch ``e_next``, then arrive on each named barrier in ``gate_barriers`` (counted in ``gate_threads``,
+    this warp included). Each storing warpgroup syncs on its barrier before its first tile's stores, with
+    this warp counted, so those stores follow the receivers' announcements (acquire here, then the barrier's
+    CTA-scope ordering); later tiles count without this warp, so the loop holds no poll or wait of its own.
+    By the first epilogue, a whole Q-loop later, the arrival has long happened. On timeout the error word is
+    set and the warp still arrives, so nothing hangs."""
     for j in cutlass.range(lane, world, 32, unroll=1):
         fl.wait_geq(flags, world + j, e_next, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), bidx, "sys")
     cute.arch.sync_warp()
-    if lane == 0:
-        cute.arch.mbarrier_arrive(ready_mbar)
-
-
-@cute.jit
-def ready_wait(ready_mbar):
-    """Before a store into any receiver's buffer: the barrier ``await_all_ready`` arrives on (phase 0; once
-    completed it answers at once, so calling it before every tile's stores is cheap)."""
-    cute.arch.mbarrier_wait(ready_mbar, 0)
+    for b in cutlass.range_constexpr(len(gate_barriers)):
+        cute.arch.barrier_arrive(barrier_id=gate_barriers[b], number_of_threads=gate_threads)
 
 
 @cute.jit
