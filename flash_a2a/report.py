@@ -61,14 +61,20 @@ def markdown_table_file(path: str) -> str:
 SPLIT_PARTS = (("epilogue code", "fused_self_nosig", None),
                ("flag protocol", "fused_self", "fused_self_nosig"),
                ("NVLink stores", "fused", "fused_self"),
-               ("NVLink stores, no flags", "fused_nosig", "fused_self_nosig"))
+               ("NVLink stores, no flags", "fused_nosig", "fused_self_nosig"),
+               # the protocol's parts (``faparts``), measured on the self-store control: the ready wait, the
+               # completion fence, and the data flags with the CTA's last barrier
+               ("ready wait", "fused_self", "fused_self_done"),
+               ("completion fence", "fused_self_done", "fused_self_donenf"),
+               ("data flags", "fused_self_donenf", "fused_self_nosig"))
 
 
 def residual_split(row: dict) -> dict:
     """The fused residual of one row taken apart by the control columns of ``benchmarks/device/h200x2.sh
     fadiag`` (each residual is over ``fa_ours``): the fused kernel's epilogue code alone (every tile stored
     locally, no flags), what the flag protocol adds, and what sending the tiles over NVLink adds (with and
-    without flags). Parts whose columns are missing are left out; values in µs."""
+    without flags); with ``faparts``'s columns also the protocol's parts (ready wait, completion fence, data
+    flags). Parts whose columns are missing are left out; values in µs."""
     out = {}
     for name, col, base in SPLIT_PARTS:
         e = row.get(col + "_E_res_us")

@@ -147,4 +147,10 @@ def test_residual_split_takes_the_controls_apart():
     assert split["NVLink stores"] == pytest.approx(link)
     assert split["NVLink stores, no flags"] == pytest.approx(link_noflags)
     assert split["total"] == pytest.approx(code + flags + link)
+    assert "ready wait" not in split  # faparts' columns absent
+    ready, fence = rng.uniform(0, 5), rng.uniform(0, 5)
+    row.update(fused_self_done_E_res_us=code + flags - ready, fused_self_donenf_E_res_us=code + flags - ready - fence)
+    split = residual_split(row)
+    assert split["ready wait"] == pytest.approx(ready) and split["completion fence"] == pytest.approx(fence)
+    assert split["data flags"] == pytest.approx(flags - ready - fence)
     assert residual_split({"fused_E_res_us": 1.0}) == {"total": 1.0}  # no controls: nothing to split

@@ -23,12 +23,13 @@ for stage in $stages; do
     fatests)
       timeout 300 python3 -m pytest -q -x -rs tests/test_flash_attention.py tests/test_flash_a2a_scatter.py 2>&1 | tee "$OUT/pytest_fa.log" ;;
     fa)
-      # FA_ARGS overrides the default, which fits one device call on its own (~9 min at 79f7069, with the
-      # self-store control): 6 rounds, 32 alternated pairs, without the variant columns measured before
-      # (RUNS.md). The JSON is rewritten after every row, so a run cut short keeps its rows.
+      # FA_ARGS overrides the default, which fills one device call on its own (all 10 rows in ~560 s at
+      # bf4aabc): 6 rounds, 32 alternated pairs, without the variant columns measured before (RUNS.md;
+      # the self-store control now runs in fadiag/faparts). The JSON is rewritten after every row, so a run
+      # cut short keeps its rows.
       fa_default='--replays 6 --alternate-pairs 32 --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent
-        fa_ours_pin_all fa_ours_unpinned --variants {"self":{"mode":"piggyback","self_store":true}}'
-      timeout ${FA_TIMEOUT:-545} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/flash_a2a.json" \
+        fa_ours_pin_all fa_ours_unpinned'
+      timeout ${FA_TIMEOUT:-575} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/flash_a2a.json" \
         ${FA_ARGS:-$fa_default} 2>&1 | tee "$OUT/fa.log" ;;
     fadiag)
       # Decomposes the fused residual (M = $FADIAG_SEQ, default 8K): fused_self_nosig - fa_ours (epilogue code),
