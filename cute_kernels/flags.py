@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, const_expr
+from cutlass._mlir.dialects import nvvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 ERR_NONE = 0
 ERR_GRID_BARRIER_TIMEOUT = 1
@@ -33,16 +35,26 @@ def record_error(errors: cute.Tensor, code: Int32, block: Int32, seen: Int32):
         errors[2] = seen
 
 
+@dsl_user_op
+def nanosleep(ns, *, loc=None, ip=None) -> None:
+    """Suspend the calling warp for up to about ``ns`` nanoseconds (PTX ``nanosleep``)."""
+    nvvm.nanosleep(Int32(ns).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+
+
 @cute.jit
 def wait_geq(flags: cute.Tensor, index: Int32, target, timeout_ns: Int64,
-             errors: cute.Tensor, code: Int32, block: Int32, scope: cutlass.Constexpr = "gpu") -> Int32:
+             errors: cute.Tensor, code: Int32, block: Int32, scope: cutlass.Constexpr = "gpu",
+             sleep_ns: cutlass.Constexpr = 0) -> Int32:
     """Spin (acquire loads) until ``flags[index] >= target`` or the deadline passes; returns 1 if met.
-    ``flags`` holds Int32 or Int64 words (``target`` is converted to that type)."""
+    ``flags`` holds Int32 or Int64 words (``target`` is converted to that type). ``sleep_ns`` > 0 backs off
+    that long between polls (fewer loads on the flag's line while many waiters poll it)."""
     word = flags.element_type
     goal = word(target)
     deadline = cute.arch.globaltimer() + timeout_ns
     seen = cute.arch.load(elem_ptr(flags, index), word, sem="acquire", scope=scope)
     while seen < goal and cute.arch.globaltimer() < deadline:
+        if const_expr(sleep_ns > 0):
+            nanosleep(sleep_ns)
         seen = cute.arch.load(elem_ptr(flags, index), word, sem="acquire", scope=scope)
     met = Int32(1)
     if seen < goal:

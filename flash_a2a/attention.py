@@ -52,7 +52,7 @@ TILE_N = 128
 WG_THREADS = 128
 EPILOGUE_BARRIER = 1  # named barriers 1, 2: one per MMA warpgroup (0 is __syncthreads)
 SCHEDULER_BARRIER = 4  # 4, 5: warpgroup ping-pong on GEMM issue
-SIGNALS = (True, False, "nofence", "done", "done_nofence")
+SIGNALS = (True, False, "nofence", "done", "done_nofence", "gate_only")
 DONE_BARRIER = 6  # fused modes: the MMA warpgroups' last stores and the announcing warp, before publish_done
 DONE_THREADS = (TILE_M // 64) * WG_THREADS + 32
 
@@ -128,7 +128,7 @@ class FlashAttentionA2AForward:
                  instrument: bool = False, overlap: bool = True, lag_v: bool = False,
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
-                 n_dst: int = 1):
+                 n_dst: int = 1, ready_poll_ns: int = 0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -153,15 +153,21 @@ class FlashAttentionA2AForward:
         # signal (fused modes): True runs the whole flag protocol. The other values are benchmark controls that
         # price its parts (the output is never announced, or announced without the ordering guarantee): False,
         # no protocol; "nofence", all but the completion fence; "done", the completion flags without the ready
-        # wait; "done_nofence", neither the ready wait nor the fence. Every value but False advances the epoch
-        # and adds the data flags, so the receivers' waits stay consistent across columns.
+        # wait; "done_nofence", neither the ready wait nor the fence; "gate_only", the ready gate's barrier
+        # arrival without the wait before it. Every value but False advances the epoch and adds the data
+        # flags, so the receivers' waits stay consistent across columns.
         if signal not in SIGNALS:
             raise ValueError(f"signal must be one of {SIGNALS}, got {signal!r}")
         self.signal = signal
         fused = mode != "local"
         self.flags_on = fused and signal is not False  # epoch advance and data flags
-        self.ready_on = fused and signal in (True, "nofence")
-        self.done_fence = fused and signal in (True, "done")
+        self.ready_on = fused and signal in (True, "nofence", "gate_only")
+        self.ready_poll = signal != "gate_only"
+        # ready_poll_ns: back-off between the ready-flag polls of the waiting warp (0: a tight loop).
+        if not (isinstance(ready_poll_ns, int) and 0 <= ready_poll_ns <= 1_000_000):
+            raise ValueError(f"ready_poll_ns must be an int in 0..1000000, got {ready_poll_ns!r}")
+        self.ready_poll_ns = ready_poll_ns
+        self.done_fence = fused and signal in (True, "done", "gate_only")
         self.dtype, self.head_dim, self.mode, self.num_stages = dtype, head_dim, mode, num_stages
         self.instrument = instrument
         # overlap: issue block n's QKᵀ with block n-1's PV inside a warpgroup, and ping-pong GEMM issue between
@@ -336,7 +342,7 @@ class FlashAttentionA2AForward:
                         announce_ready(flag_ptrs, rank, world, e_next, tidx % 32, bidx)
                         await_all_ready(flags, world, e_next, timeout_ns, errors, tidx % 32, bidx,
                                         [EPILOGUE_BARRIER + wg for wg in range(self.num_mma_wg)],
-                                        WG_THREADS + 32)
+                                        WG_THREADS + 32, self.ready_poll, self.ready_poll_ns)
                     # the CTA's completion waits for this warp too: it must read the epoch before it advances
                     cute.arch.barrier_arrive(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
             if warp_idx == 0:

@@ -341,10 +341,12 @@ def _run(rank, world, args):
                 launches = {"spans": lambda: fused.launch(q, k, v, mode="piggyback", wait=True, spans=sp),
                             "spans_fa_only": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
                                                                      spans=sp_local)}
+                align = _device_align(None)
                 for _ in range(2):
                     for launch in launches.values():
                         torch.cuda.synchronize()
                         dist.barrier()
+                        align()  # as every timed region: a host barrier alone left the peer up to ~90 µs behind
                         launch()
                 torch.cuda.synchronize()
                 fused.check()

@@ -82,7 +82,8 @@ def test_unsignaled_control_has_no_flag_protocol(tmp_path):
     from flash_a2a.attention import FlashAttentionA2AForward
 
     # (completion fences, ready polls, data-flag adds) each signal value must compile to
-    expect = {False: (0, 0, 0), True: (1, 1, 1), "nofence": (0, 1, 1), "done": (1, 0, 1), "done_nofence": (0, 0, 1)}
+    expect = {False: (0, 0, 0), True: (1, 1, 1), "nofence": (0, 1, 1), "done": (1, 0, 1), "done_nofence": (0, 0, 1),
+              "gate_only": (1, 0, 1)}
     for signal, (want_fences, want_polls, want_adds) in expect.items():
         k = FlashAttentionA2AForward(head_dim=128, mode="piggyback", signal=signal)
         d = tmp_path / str(signal)
@@ -93,8 +94,18 @@ def test_unsignaled_control_has_no_flag_protocol(tmp_path):
         got = (fences, min(polls, 1), min(adds, 1))
         assert got == (want_fences, want_polls, want_adds), (signal, fences, polls, adds)
         assert c.ptx_count(r"st\.global\.v4") >= 1
+        assert c.ptx_count(r"nanosleep") == 0
     with pytest.raises(ValueError, match="signal"):
         FlashAttentionA2AForward(head_dim=128, mode="piggyback", signal="sometimes")
+    # the ready-poll back-off: a nanosleep in the waiting warp's loop, none by default (checked above: the
+    # default compiled without one)
+    k = FlashAttentionA2AForward(head_dim=128, mode="piggyback", ready_poll_ns=500)
+    d = tmp_path / "sleep"
+    d.mkdir()
+    c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(d))
+    assert c.ptx_count(r"nanosleep\.u32") == 1 and c.ptx_count(r"ld\.acquire\.sys") >= 1
+    with pytest.raises(ValueError, match="ready_poll_ns"):
+        FlashAttentionA2AForward(head_dim=128, mode="piggyback", ready_poll_ns=-1)
 
 
 def test_fused_mainloop_schedules_like_local(tmp_path):

@@ -50,6 +50,16 @@ for stage in $stages; do
         pre_a2a_symm cudnn a2a_nccl a2a_symm serial_ours_nccl fused_cc fused_visible fa4 serial_fa4_nccl \
         --variants '{"self":{"mode":"piggyback","self_store":true},"self_nosig":{"mode":"piggyback","self_store":true,"signal":false},"self_nofence":{"mode":"piggyback","self_store":true,"signal":"nofence"},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_donenf":{"mode":"piggyback","self_store":true,"signal":"done_nofence"},"nosig":{"mode":"piggyback","signal":false},"nofence":{"mode":"piggyback","signal":"nofence"},"done":{"mode":"piggyback","signal":"done"}}' \
         2>&1 | tee "$OUT/faparts.log" ;;
+    faready)
+      # The ready wait's cost (faparts at bf4aabc: +1.2/+4.4 µs at 3/12 heads per rank, 8K), taken apart:
+      # the gate's barrier arrival without the poll ("gate_only") and the poll with a 500 ns back-off, beside
+      # the full protocol and no ready wait ("done"), with and without NVLink.
+      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fused_ready.json" \
+        --seq-lens ${FADIAG_SEQ:-8192} --replays 10 --alternate-min-us 0 --no-spans --skip fa_ours_no_overlap \
+        fa_ours_lag_v fa_ours_pin_all fa_ours_unpinned fa_ours_plain_order fa_ours_nonpersistent pre_a2a_nccl \
+        pre_a2a_symm cudnn a2a_nccl a2a_symm serial_ours_nccl fused_cc fused_visible fa4 serial_fa4_nccl \
+        --variants '{"self":{"mode":"piggyback","self_store":true},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_gate":{"mode":"piggyback","self_store":true,"signal":"gate_only"},"self_sleep":{"mode":"piggyback","self_store":true,"ready_poll_ns":500},"done":{"mode":"piggyback","signal":"done"},"gate":{"mode":"piggyback","signal":"gate_only"},"sleep":{"mode":"piggyback","ready_poll_ns":500}}' \
+        2>&1 | tee "$OUT/faready.log" ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)
