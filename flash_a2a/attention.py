@@ -578,8 +578,10 @@ class FlashAttentionA2AForward:
                 # The ready gate: on this CTA's first tile, the warp that waited for every receiver's ready
                 # flag also arrives on this barrier (await_all_ready; the barrier's first use in the kernel, so
                 # its count is 160 there and 128 after), so no store goes out before the announcements. No
-                # wait, poll or acquire in the loop for later tiles (an mbarrier test per tile measured ~0.9 µs a
-                # tile on H200: fused_parts at 736d7b2).
+                # wait, poll or acquire in the loop for later tiles. (The mbarrier test before every tile's
+                # stores it replaces held the destination pointer's load back until after it, in the SASS. On
+                # H200 at 12 heads/8K the ready wait still costs +2.9 µs with remote stores, +4.4 with the
+                # self-store control: fused_parts_bf4aabc.json; the cause is open.)
                 gate = Int32(WG_THREADS) + Int32(32) * Int32(t == Int32(bidx))
                 cute.arch.barrier(barrier_id=bar_id, number_of_threads=gate)  # sO rows free again
             else:
