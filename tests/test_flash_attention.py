@@ -303,3 +303,58 @@ def test_fused_matches_local_plus_reference_a2a(tmp_path):
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"
         assert res["compiled_equal"], "torch.compile(UlyssesAttention) must match eager"
         assert res["symm_pre_equal"], "UlyssesAttention(pre_a2a='nccl') must match the default symmetric pre-attention path"
+
+
+def _slow_receiver_worker(rank, world, init_file, path):
+    """Every rank runs launch e, then launch e + 1 with fresh inputs at once, except the last rank, whose
+    stream first spins ~20 ms and then copies its output of launch e. The senders' launch e + 1 must not
+    store into that buffer before the slow rank's own launch e + 1 starts (its ready announcement), so the
+    copy must still hold launch e's output."""
+    import torch.distributed as dist
+    from cute_kernels.dist import process_group
+
+    with process_group(rank, world, init_file):
+        from flash_a2a.api import FusedAttentionA2A, flash_attention
+        from flash_a2a.mapping import reference_post_a2a
+
+        def reference(q, k, v):
+            local = flash_attention(q, k, v)
+            gathered = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(gathered, local)
+            return reference_post_a2a([g.cpu() for g in gathered])[rank]
+
+        fused = FusedAttentionA2A()
+        results = []
+        for mode, knobs in (("piggyback", {}), ("piggyback", {"store": "tma"}), ("completion_coupled", {})):
+            shape = (1, 2048, 2, 128)
+            q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
+            q2, k2, v2 = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
+            ref2 = reference(q2, k2, v2)
+            out = fused(q, k, v, mode=mode, **knobs)
+            expected = out.clone()
+            torch.cuda.synchronize()
+            dist.barrier()
+            snapshot = None
+            if rank == world - 1:
+                torch.cuda._sleep(40_000_000)  # ~20 ms of this rank's stream before it is done with launch e
+                snapshot = out.clone()
+            got = fused(q2, k2, v2, mode=mode, **knobs)
+            torch.cuda.synchronize()
+            fused.check()
+            results.append({"mode": mode, "knobs": knobs,
+                            "snapshot_kept": bool(snapshot is None or torch.equal(snapshot, expected)),
+                            "next_exact": bool(torch.equal(got.cpu(), ref2))})
+            dist.barrier()
+        with open(f"{path}.{rank}", "w") as f:
+            json.dump(results, f)
+
+
+@pytest.mark.multigpu
+def test_fused_waits_for_a_slow_receiver(tmp_path):
+    """The ready protocol: no sender stores into a receiver's buffer while the receiver's stream still reads
+    the previous launch's output there."""
+    for res in run_ranks(_slow_receiver_worker, tmp_path):
+        assert len(res) == 3
+        for r in res:
+            assert r["snapshot_kept"], r
+            assert r["next_exact"], r
