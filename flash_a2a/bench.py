@@ -556,33 +556,32 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _offline(verb: str, path: str, produce) -> int:
+    """A subcommand that reads a saved result (no GPU): print what ``produce()`` returns, or exit 2 naming the
+    file when it cannot be read."""
+    try:
+        print(produce())
+    except (OSError, ValueError, KeyError) as e:
+        print(f"xstage: error: cannot {verb} {path}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def run(args) -> int:
     if args.split:
         from flash_a2a.report import residual_split_text
 
-        try:
+        def split():
             with open(args.split) as f:
-                print(residual_split_text(json.load(f)))
-        except (OSError, ValueError, KeyError) as e:
-            print(f"xstage: error: cannot read {args.split}: {e}", file=sys.stderr)
-            return 2
-        return 0
+                return residual_split_text(json.load(f))
+
+        return _offline("read", args.split, split)
     if args.table:
         from flash_a2a.report import markdown_table_file
 
-        try:
-            print(markdown_table_file(args.table))
-        except (OSError, ValueError, KeyError) as e:
-            print(f"xstage: error: cannot read {args.table}: {e}", file=sys.stderr)
-            return 2
-        return 0
+        return _offline("read", args.table, lambda: markdown_table_file(args.table))
     if args.replot:
-        try:
-            print("wrote", replot(args.replot))
-        except (OSError, ValueError, KeyError) as e:
-            print(f"xstage: error: cannot replot {args.replot}: {e}", file=sys.stderr)
-            return 2
-        return 0
+        return _offline("replot", args.replot, lambda: f"wrote {replot(args.replot)}")
     import torch
 
     from cute_kernels.dist import spawn_ranks

@@ -7,6 +7,16 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/xstage-out}
 mkdir -p "$OUT"
 stages=${*:-"info tests calibrate fa dit pack"}
+
+# protocol_diag NAME LOG VARIANTS: FA-only, fused and the fused VARIANTS (JSON) at M = $FADIAG_SEQ (default
+# 8K), 10 rounds, every residual from 48 aligned adjacent-launch pairs, no spans, nothing else timed.
+protocol_diag() {
+  timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/$1.json" \
+    --seq-lens ${FADIAG_SEQ:-8192} --replays 10 --alternate-min-us 0 --no-spans --skip fa_ours_no_overlap \
+    fa_ours_lag_v fa_ours_pin_all fa_ours_unpinned fa_ours_plain_order fa_ours_nonpersistent pre_a2a_nccl \
+    pre_a2a_symm cudnn a2a_nccl a2a_symm serial_ours_nccl fused_cc fused_visible fa4 serial_fa4_nccl \
+    --variants "$3" 2>&1 | tee "$OUT/$2.log"
+}
 for stage in $stages; do
   echo "=== $stage $(date -u +%T)"
   case $stage in
@@ -44,22 +54,12 @@ for stage in $stages; do
     faparts)
       # Prices the flag protocol's parts at M = $FADIAG_SEQ (default 8K), with and without NVLink: without the
       # completion fence ("nofence"), without the ready wait ("done"), without both ("done_nofence").
-      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fused_parts.json" \
-        --seq-lens ${FADIAG_SEQ:-8192} --replays 10 --alternate-min-us 0 --no-spans --skip fa_ours_no_overlap \
-        fa_ours_lag_v fa_ours_pin_all fa_ours_unpinned fa_ours_plain_order fa_ours_nonpersistent pre_a2a_nccl \
-        pre_a2a_symm cudnn a2a_nccl a2a_symm serial_ours_nccl fused_cc fused_visible fa4 serial_fa4_nccl \
-        --variants '{"self":{"mode":"piggyback","self_store":true},"self_nosig":{"mode":"piggyback","self_store":true,"signal":false},"self_nofence":{"mode":"piggyback","self_store":true,"signal":"nofence"},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_donenf":{"mode":"piggyback","self_store":true,"signal":"done_nofence"},"nosig":{"mode":"piggyback","signal":false},"nofence":{"mode":"piggyback","signal":"nofence"},"done":{"mode":"piggyback","signal":"done"}}' \
-        2>&1 | tee "$OUT/faparts.log" ;;
+      protocol_diag fused_parts faparts '{"self":{"mode":"piggyback","self_store":true},"self_nosig":{"mode":"piggyback","self_store":true,"signal":false},"self_nofence":{"mode":"piggyback","self_store":true,"signal":"nofence"},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_donenf":{"mode":"piggyback","self_store":true,"signal":"done_nofence"},"nosig":{"mode":"piggyback","signal":false},"nofence":{"mode":"piggyback","signal":"nofence"},"done":{"mode":"piggyback","signal":"done"}}' ;;
     faready)
       # The ready wait's cost (faparts at bf4aabc: +1.2/+4.4 µs at 3/12 heads per rank, 8K), taken apart:
       # the gate's barrier arrival without the poll ("gate_only") and the poll with a 500 ns back-off, beside
       # the full protocol and no ready wait ("done"), with and without NVLink.
-      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fused_ready.json" \
-        --seq-lens ${FADIAG_SEQ:-8192} --replays 10 --alternate-min-us 0 --no-spans --skip fa_ours_no_overlap \
-        fa_ours_lag_v fa_ours_pin_all fa_ours_unpinned fa_ours_plain_order fa_ours_nonpersistent pre_a2a_nccl \
-        pre_a2a_symm cudnn a2a_nccl a2a_symm serial_ours_nccl fused_cc fused_visible fa4 serial_fa4_nccl \
-        --variants '{"self":{"mode":"piggyback","self_store":true},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_gate":{"mode":"piggyback","self_store":true,"signal":"gate_only"},"self_sleep":{"mode":"piggyback","self_store":true,"ready_poll_ns":500},"done":{"mode":"piggyback","signal":"done"},"gate":{"mode":"piggyback","signal":"gate_only"},"sleep":{"mode":"piggyback","ready_poll_ns":500}}' \
-        2>&1 | tee "$OUT/faready.log" ;;
+      protocol_diag fused_ready faready '{"self":{"mode":"piggyback","self_store":true},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_gate":{"mode":"piggyback","self_store":true,"signal":"gate_only"},"self_sleep":{"mode":"piggyback","self_store":true,"ready_poll_ns":500},"done":{"mode":"piggyback","signal":"done"},"gate":{"mode":"piggyback","signal":"gate_only"},"sleep":{"mode":"piggyback","ready_poll_ns":500}}' ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)
