@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("cutlass")
 
 
-@pytest.mark.parametrize("store", ["st", "bulk", "tma"])
+@pytest.mark.parametrize("store", ["st", "bulk", "tma", "paced"])
 @pytest.mark.parametrize("mode", ["local", "piggyback", "completion_coupled"])
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_variants_compile_with_wgmma(tmp_path, mode, head_dim, store):
@@ -21,11 +21,15 @@ def test_variants_compile_with_wgmma(tmp_path, mode, head_dim, store):
     from cute_kernels.compile import compile_kernel, ptxas_resource_usage
     from flash_a2a.attention import FlashAttentionA2AForward
 
+    if store == "paced" and mode != "piggyback":
+        with pytest.raises(ValueError, match="paced"):
+            FlashAttentionA2AForward(head_dim=head_dim, mode=mode, store=store, n_dst=1 if mode == "local" else 2)
+        return
     k = FlashAttentionA2AForward(head_dim=head_dim, mode=mode, store=store, n_dst=1 if mode == "local" else 2)
     c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
     assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16") >= 2 * (head_dim // 16)
     assert c.ptx_count(r"cp\.async\.bulk\.tensor") >= 3, "Q, K, V through TMA"
-    if store == "st":
+    if store in ("st", "paced"):
         assert c.ptx_count(r"st\.global\.v4") >= 1, "128-bit output stores"
     elif store == "tma":
         assert c.ptx_count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta") >= 1, "TMA tensor stores"
@@ -106,6 +110,60 @@ def test_unsignaled_control_has_no_flag_protocol(tmp_path):
     assert c.ptx_count(r"nanosleep\.u32") == 1 and c.ptx_count(r"ld\.acquire\.sys") >= 1
     with pytest.raises(ValueError, match="ready_poll_ns"):
         FlashAttentionA2AForward(head_dim=128, mode="piggyback", ready_poll_ns=-1)
+
+
+def test_paced_stores_issue_inside_the_q_loop(tmp_path):
+    """store="paced": the SASS loop that holds a KV block's 16 HGMMAs (QKᵀ and PV, d = 128) also holds a
+    128-bit global store and a shared-memory load (a vector of the previous tile's staged rows), while the
+    default piggyback loop holds no global store (its tile leaves in one burst after the Q-loop). Bad knobs
+    are refused."""
+    import re
+
+    from cutlass.runtime import make_fake_stream
+
+    from cute_kernels.compile import compile_kernel, sass
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    def kv_loop(text):
+        """The instructions of the innermost backward-branch loop holding 16 HGMMAs."""
+        ins, labels = [], {}
+        for line in text.splitlines():
+            m = re.match(r"\s*\.(L_x_\d+):", line)
+            if m:
+                labels[m.group(1)] = len(ins)
+                continue
+            m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+            if m:
+                ins.append(m.group(1))
+        best = None
+        for i, t in enumerate(ins):
+            m = re.search(r"BRA\s+`\(\.(L_x_\d+)\)", t)
+            j = labels.get(m.group(1)) if m else None
+            if j is not None and j < i and sum("HGMMA" in x for x in ins[j:i + 1]) == 16:
+                if best is None or i - j < len(best):
+                    best = ins[j:i + 1]
+        return best
+
+    loops = {}
+    for store in ("st", "paced"):
+        k = FlashAttentionA2AForward(head_dim=128, mode="piggyback", store=store, n_dst=2)
+        d = tmp_path / store
+        d.mkdir()
+        c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(d))
+        text = sass(c.cubin)
+        if text is None:
+            pytest.skip("no nvdisasm on this machine (it comes with triton)")
+        assert "STL" not in text and "LDL" not in text
+        loops[store] = kv_loop(text)
+        assert loops[store] is not None, store
+    assert not any(x.startswith(("STG", "@")) and "STG" in x for x in loops["st"])
+    assert any("STG.E.128" in x for x in loops["paced"]), loops["paced"]
+    assert any(x.split()[0].lstrip("@!UP0123456").startswith("LDS") or " LDS" in x for x in loops["paced"])
+    for bad in ({"mode": "completion_coupled"}, {"overlap": False}):
+        with pytest.raises(ValueError, match="paced"):
+            FlashAttentionA2AForward(head_dim=128, store="paced", n_dst=2, **{"mode": "piggyback", **bad})
+    with pytest.raises(ValueError, match="pace_kv"):
+        FlashAttentionA2AForward(head_dim=128, mode="piggyback", store="paced", n_dst=2, pace_kv=0)
 
 
 def test_fused_mainloop_schedules_like_local(tmp_path):
@@ -224,7 +282,8 @@ def _worker(rank, world, init_file, path):
         for shape in [(1, 1024, 2, 128), (2, 2048, 3, 128), (1, 512, 1, 64)]:
             for mode, knobs in (("piggyback", {}), ("completion_coupled", {}), ("piggyback", {"store": "bulk"}),
                                 ("completion_coupled", {"store": "bulk"}), ("piggyback", {"store": "tma"}),
-                                ("completion_coupled", {"store": "tma"})):
+                                ("completion_coupled", {"store": "tma"}), ("piggyback", {"store": "paced"}),
+                                ("piggyback", {"store": "paced", "pace_kv": 2})):
                 for _ in range(2):
                     q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
                     local = flash_attention(q, k, v)
@@ -297,7 +356,7 @@ def _worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_matches_local_plus_reference_a2a(tmp_path):
     for res in run_ranks(_worker, tmp_path):
-        assert res["checked"] == 39
+        assert res["checked"] == 51
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"
@@ -325,7 +384,8 @@ def _slow_receiver_worker(rank, world, init_file, path):
 
         fused = FusedAttentionA2A()
         results = []
-        for mode, knobs in (("piggyback", {}), ("piggyback", {"store": "tma"}), ("completion_coupled", {})):
+        for mode, knobs in (("piggyback", {}), ("piggyback", {"store": "tma"}), ("piggyback", {"store": "paced"}),
+                            ("completion_coupled", {})):
             shape = (1, 2048, 2, 128)
             q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
             q2, k2, v2 = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
@@ -354,7 +414,7 @@ def test_fused_waits_for_a_slow_receiver(tmp_path):
     """The ready protocol: no sender stores into a receiver's buffer while the receiver's stream still reads
     the previous launch's output there."""
     for res in run_ranks(_slow_receiver_worker, tmp_path):
-        assert len(res) == 3
+        assert len(res) == 4
         for r in res:
             assert r["snapshot_kept"], r
             assert r["next_exact"], r
