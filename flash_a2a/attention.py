@@ -128,7 +128,7 @@ class FlashAttentionA2AForward:
                  instrument: bool = False, overlap: bool = True, lag_v: bool = False,
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
-                 n_dst: int = 1, ready_poll_ns: int = 0):
+                 n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -143,17 +143,23 @@ class FlashAttentionA2AForward:
         # on; the row buffer is then unswizzled and padded (conflict-free stmatrix, contiguous rows); "tma":
         # one thread issues a TMA tensor store of the whole 64-row half from the swizzled buffer (FA3/FA4's
         # epilogue), through one tensor map per destination (``n_dst`` of them: 1 local, P fused), so no
-        # register holds output data once the store is issued; "paced" (piggyback, overlapped mainloop): as "st",
-        # but only the first half of each thread's vectors leave at the epilogue, the second half under the
-        # warpgroup's next first QKᵀ GEMM (the CTA's last tile: at the end). At P = 2 the ~66 remote tiles of an
-        # aligned round boundary then inject 1 MiB at a time instead of 2.1 MiB, under Q(66) = 1.46 MiB
-        # (calibration.json), so the Burst-Gap model predicts no backpressure stall at the boundary; the
-        # Q-loop's code is untouched (storing a vector per KV block inside it cost the mainloop 2-3%:
-        # fused_paced_ccab14f.json).
+        # register holds output data once the store is issued; "paced" (piggyback, overlapped mainloop; a
+        # measured alternative, not the default): the rows wait in sO and leave as "st" does, one 16 B vector
+        # per thread every ``pace_kv`` KV blocks of the warpgroup's next tile, issued under its GEMMs, the rest
+        # (and the CTA's last tile) at the next epilogue, so a tile boundary injects 2 KiB per warpgroup per
+        # KV block instead of a 16 KiB burst. On 2 x H200 that removes what NVLink adds to the fused residual
+        # (fused - self-store control: 0.2-0.4 µs against 3.6-10 µs at M = 8K/16K), but the Q-loop's code moves
+        # ptxas's schedule (61 of 66 exponentials ahead of the PV wait, not 51) and costs the mainloop 2-3%,
+        # more than it saves (flash_a2a_variants/fused_paced_ccab14f.json). Halving the burst at the boundary
+        # instead (half the vectors under the next tile's first GEMM, Q-loop untouched) left the NVLink part
+        # as it was and moved the schedule all the same (fused_paced_split_405a9d8.json).
         self.store = store
         if store == "paced" and (mode != "piggyback" or not overlap):
-            raise ValueError("store='paced' defers half a tile's stores into the next tile's overlapped Q-loop: "
+            raise ValueError("store='paced' spreads a tile's stores over the next tile's overlapped Q-loop: "
                              "use it with mode='piggyback' and overlap=True")
+        if not (isinstance(pace_kv, int) and 1 <= pace_kv <= 8):
+            raise ValueError(f"pace_kv must be an int in 1..8 (KV blocks per stored vector), got {pace_kv!r}")
+        self.pace_kv = pace_kv
         if mode == "local" and n_dst != 1:
             raise ValueError("the local kernel has one destination (n_dst=1)")
         if n_dst < 1:
@@ -445,29 +451,24 @@ class FlashAttentionA2AForward:
         return total
 
     @cute.jit
-    def store_rows(self, g_copy, thr_g, tGsO, addr: Int64, heads, first: cutlass.Constexpr[int],
-                   stop: cutlass.Constexpr[int]):
-        """Vectors [first, stop) of this thread's share of a warpgroup's 64 staged rows (sO) to the destination
-        rows at global address ``addr`` of a (b, S/P, heads, d) buffer (store="paced")."""
-        ptr = cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
+    def store_chunk(self, g_copy, thr_g, tGsO, addr: Int64, heads, chunk):
+        """store="paced": vector ``chunk`` of this thread's share of a warpgroup's 64 staged rows (sO) to
+        the destination rows at global address ``addr`` of a (b, S/P, heads, d) buffer."""
         row_stride = cute.assume(heads * self.head_dim, divby=self.head_dim)
-        tGgO = thr_g.partition_D(cute.make_tensor(ptr, cute.make_layout((64, self.head_dim), stride=(row_stride, 1))))
-        for c in cutlass.range_constexpr(first, stop):
-            vec = cute.make_fragment_like(tGsO[None, c, None])
-            cute.autovec_copy(tGsO[None, c, None], vec)
-            cute.copy(g_copy, vec, tGgO[None, c, None])
-
-    @cute.jit
-    def store_deferred(self, g_copy, thr_g, tGsO, addr: Int64, heads, pend: Int32):
-        """The second half of the previous tile's rows, if there is a previous tile."""
-        if pend != 0:
-            n = cute.size(tGsO, mode=[1])
-            self.store_rows(g_copy, thr_g, tGsO, addr, heads, n // 2, n)
+        ptr = cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
+        g_dst = cute.make_tensor(ptr, cute.make_layout((64, self.head_dim), stride=(row_stride, 1)))
+        src = tGsO[None, chunk, None]
+        vec = cute.make_fragment_like(src)
+        cute.autovec_copy(src, vec)
+        cute.copy(g_copy, vec, thr_g.partition_D(g_dst)[None, chunk, None])
 
     @cute.jit
     def overlapped_block(self, softmax: OnlineSoftmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
-                         tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg):
-        """One KV block n >= 1 of the overlapped Q-loop: S = Q Kₙᵀ issued with block n-1's O += P V."""
+                         tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg, drip=None, block=None,
+                         n_groups=None):
+        """One KV block n >= 1 of the overlapped Q-loop: S = Q Kₙᵀ issued with block n-1's O += P V.
+        ``drip`` (store="paced"): on every pace_kv-th ``block`` (counted from 0) of the first n_groups·pace_kv,
+        also store the next vector of the previous tile's rows from sO."""
         other = 1 - wg
         kv_v = kv_state.clone()
         kv_state.advance()
@@ -480,6 +481,13 @@ class FlashAttentionA2AForward:
         pipe_v.consumer_wait(kv_v)
         sm90_utils.gemm_w_idx(tiled_mma_pv, acc_o, tOrP, tOrVt, zero_init=False, B_idx=kv_v.index, wg_wait=-1)
         cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + other, number_of_threads=2 * WG_THREADS)
+        if const_expr(drip is not None):
+            # one 16 B vector per thread of the previous tile's rows, issued while this block's GEMMs run
+            if block < n_groups * self.pace_kv:
+                if const_expr(self.pace_kv == 1):
+                    self.store_chunk(*drip, block)
+                elif block % self.pace_kv == 0:
+                    self.store_chunk(*drip, block // self.pace_kv)
         warpgroup.wait_group(1)  # S ready; PV may still run
         if const_expr(not self.pin_softmax):
             pipe_k.consumer_release(kv_state)
@@ -506,7 +514,8 @@ class FlashAttentionA2AForward:
 
     @cute.jit
     def q_loop_overlapped(self, softmax: OnlineSoftmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
-                          tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_kv, wg, deferred=None):
+                          tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_kv, wg, drip=None,
+                          n_groups=None, n_pending=None):
         """The whole Q-loop of one tile with intra-warpgroup overlap and warpgroup ping-pong.
 
         Block n's S = Q Kₙᵀ is issued together with block n-1's O += P V; softmax of block n runs while the
@@ -520,9 +529,6 @@ class FlashAttentionA2AForward:
                                            wg_wait=-1)
         if const_expr(self.sync_first_block):
             cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + other, number_of_threads=2 * WG_THREADS)
-        if const_expr(deferred is not None):
-            # store="paced": the previous tile's second half leaves sO under this tile's first GEMM
-            self.store_deferred(*deferred)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(kv_state)
         softmax.update(acc_s0, True)
@@ -530,9 +536,18 @@ class FlashAttentionA2AForward:
         acc_o.fill(0.0)
         pending_scale = cute.make_fragment_like(softmax.row_max, Float32)  # rescale_before_pv: not yet applied
         pending_scale.fill(1.0)
-        for _ in cutlass.range(n_kv - 1, unroll=1):
-            kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale, tiled_mma_qk,
-                                             tiled_mma_pv, pipe_k, pipe_v, kv_state, wg)
+        if const_expr(drip is not None):
+            # store="paced": the previous tile's rows leave sO one vector per thread every pace_kv blocks
+            for i in cutlass.range(n_kv - 1, unroll=1):
+                kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
+                                                 tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg,
+                                                 drip, i, n_groups)
+            for c in cutlass.range(n_groups, n_pending, unroll=1):  # what the loop had too few blocks for
+                self.store_chunk(*drip, c)
+        else:
+            for _ in cutlass.range(n_kv - 1, unroll=1):
+                kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
+                                                 tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg)
         if const_expr(self.rescale_before_pv):
             softmax.rescale(acc_o, pending_scale)
         # Q is no longer read: let the producer load the next tile's Q under the last PV and the epilogue.
@@ -597,9 +612,11 @@ class FlashAttentionA2AForward:
             softmax = OnlineSoftmax.create(scale_log2, cute.size(layout_utils.reshape_acc_to_mn(acc_o), mode=[0]))
             pipe_q.consumer_wait(q_state)
             if const_expr(paced):
+                n_groups = cutlass.min(Int32(chunks), (n_kv - 1) // self.pace_kv) * pend  # vectors sent in the loop
                 kv_state = self.q_loop_overlapped(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                                                   tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_kv,
-                                                  wg, (g_copy, thr_g, tGsO, pend_addr, heads, pend))
+                                                  wg, (g_copy, thr_g, tGsO, pend_addr, heads), n_groups,
+                                                  pend * chunks)
             elif const_expr(self.overlap):
                 kv_state = self.q_loop_overlapped(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                                                   tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_kv,
@@ -658,7 +675,6 @@ class FlashAttentionA2AForward:
                 row_stride = cute.assume(heads * d, divby=d)
             gt0, ck0 = cute.arch.globaltimer(), cute.arch.clock64()
             if const_expr(paced):
-                self.store_rows(g_copy, thr_g, tGsO, base.toint(), heads, 0, chunks // 2)  # first half now
                 pend_addr = base.toint()
                 pend = Int32(1)
             elif const_expr(self.store == "tma"):
@@ -699,7 +715,9 @@ class FlashAttentionA2AForward:
                     spans[row, 3] = cute.arch.clock64()
 
         if const_expr(paced):
-            self.store_deferred(g_copy, thr_g, tGsO, pend_addr, heads, pend)  # the CTA's last tile
+            if pend != 0:  # the CTA's last tile (local in the fused order's last round): all of it now
+                for c in cutlass.range_constexpr(chunks):
+                    self.store_chunk(g_copy, thr_g, tGsO, pend_addr, heads, c)
         if const_expr(self.store in ("bulk", "tma")):
             issuers = 64 if self.store == "bulk" else 1
             if tidx % WG_THREADS < issuers:  # the issuing threads: every write complete, sO read before exit

@@ -15,7 +15,8 @@ back (it advances its own epoch), and remote visibility is settled once after th
 ``fused_visible`` also waits for every peer's data each call (the remote-visible boundary).
 Time per call = graph replay time / calls per graph, median over interleaved rounds (every round replays
 every column, in a fresh random order; every timed region starts after a one-element NCCL all-reduce that
-aligns the ranks on the device); the max over ranks is reported. Derived: E_res = T_fused - T_FA
+aligns the ranks on the device); each trial's time is the max over ranks, then the median over trials (the
+paper's statistic, sec. 5.1). Derived: E_res = T_fused - T_FA
 and the serial excess T_serial - T_FA, each the median over rounds of the difference within a round
 (pairing cancels clock drift between rounds); for kernels of T_FA >= --alternate-min-us both come instead
 from pairs of adjacent launches on one stream, each pair aligned, in alternating order
@@ -102,8 +103,9 @@ def _device_align(group):
 
 def _measure(columns: dict, calls: int, replays: int, group) -> dict:
     """µs per call for every column, timed in interleaved rounds (a fresh random order every round, so clock
-    or thermal drift hits all variants alike); median over rounds, then the max over ranks. Every timed
-    region starts right after a device-side alignment of the ranks (``_device_align``)."""
+    or thermal drift hits all variants alike); each round's time is the max over ranks, then the median over
+    rounds. Every timed region starts right after a device-side alignment of the ranks (``_device_align``).
+    Returns the medians and every column's per-round (rank-max) times."""
     import torch
     import torch.distributed as dist
 
@@ -132,9 +134,8 @@ def _measure(columns: dict, calls: int, replays: int, group) -> dict:
             b.record()
             b.synchronize()
             times[name].append(a.elapsed_time(b) * 1e3 / calls)
-    med = torch.tensor([sorted(times[n])[len(times[n]) // 2] for n in names], device="cuda", dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
-    return {n: float(med[i]) for i, n in enumerate(names)}, times
+    times = dict(zip(names, rank_max([times[n] for n in names], group)))
+    return {n: sorted(times[n])[len(times[n]) // 2] for n in names}, times
 
 
 def alternated_excess(first, second, pairs: int, group) -> dict:
@@ -143,8 +144,9 @@ def alternated_excess(first, second, pairs: int, group) -> dict:
     is timed by its neighbouring events while the GPU barely idles (steady clocks), each difference compares
     two launches a few ms apart, neither kernel always runs first, and the ranks cannot drift apart over the
     pairs (a rank that drifted ahead would wait in the fused kernel for its peer, and count that as its
-    residual). Returns the median and the quartiles over ``pairs`` of (T_second − T_first) in µs, max over
-    ranks (medians) — the residual measurement for long kernels, where round-to-round drift exceeds it."""
+    residual). Each launch's time is the max over ranks; returns the median and the quartiles over ``pairs``
+    of (T_second − T_first) in µs — the residual measurement for long kernels, where round-to-round drift
+    exceeds it."""
     import torch
     import torch.distributed as dist
 
@@ -165,10 +167,8 @@ def alternated_excess(first, second, pairs: int, group) -> dict:
     spans = [(ev[0].elapsed_time(ev[1]) * 1e3, ev[1].elapsed_time(ev[2]) * 1e3) for ev in events]
     firsts = [a if i % 2 == 0 else b for i, (a, b) in enumerate(spans)]
     seconds = [b if i % 2 == 0 else a for i, (a, b) in enumerate(spans)]
-    st = pair_stats(firsts, seconds)
-    q = torch.tensor([st["q1_us"], st["median_us"], st["q3_us"]], device="cuda", dtype=torch.float64)
-    dist.all_reduce(q, op=dist.ReduceOp.MAX, group=group)
-    return {**st, "q1_us": float(q[0]), "median_us": float(q[1]), "q3_us": float(q[2])}
+    firsts, seconds = rank_max([firsts, seconds], group)
+    return pair_stats(firsts, seconds)
 
 
 def fused_residual_columns(variants: dict) -> list[str]:
@@ -200,16 +200,23 @@ def pair_stats(firsts: list[float], seconds: list[float]) -> dict:
 
 
 def _paired_excess(times: dict, name: str, base: str, group) -> float | None:
-    """Median over rounds of (T_name − T_base) measured in the same round, max over ranks: a residual of a
-    few µs on a kernel of tens of ms is below the round-to-round clock drift, which pairing cancels."""
+    """Median over rounds of (T_name − T_base) measured in the same round (``times``: each round's max over
+    ranks, the same on every rank): a residual of a few µs on a kernel of tens of ms is below the
+    round-to-round clock drift, which pairing cancels."""
+    if name not in times or base not in times:
+        return None
+    return pair_stats(times[base], times[name])["median_us"]
+
+
+def rank_max(trials: list[list[float]], group) -> list[list[float]]:
+    """Elementwise max over ranks of per-trial times (every rank passes lists of the same lengths): a trial
+    of a multi-rank operation lasts as long as its slowest rank."""
     import torch
     import torch.distributed as dist
 
-    if name not in times or base not in times:
-        return None
-    d = torch.tensor([pair_stats(times[base], times[name])["median_us"]], device="cuda", dtype=torch.float64)
-    dist.all_reduce(d, op=dist.ReduceOp.MAX, group=group)
-    return float(d[0])
+    t = torch.tensor(trials, device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
 
 
 def _worker(rank, world, init_file, args):
@@ -389,7 +396,7 @@ def _run(rank, world, args):
                                            if e_res is not None and exposed and exposed > 0 else None)
                 row.update(model_predictions(row, profile,
                                              torch.cuda.get_device_properties(0).multi_processor_count))
-            row["round_times"] = {n: [round(x, 3) for x in ts] for n, ts in times.items()}  # µs, this rank's
+            row["round_times"] = {n: [round(x, 3) for x in ts] for n, ts in times.items()}  # µs, max over ranks
             rows.append(row)
             if rank == 0:
                 _write(rows, base, args)  # after every row: a run cut short still leaves its rows
@@ -407,8 +414,8 @@ def _write(rows, base, args) -> None:
            "slope_test": slope_test(rows),
            "method": "CUDA-Graph replay of calls_per_graph back-to-back calls; all columns replayed in "
                      "interleaved rounds, a fresh random order each round, every timed region started after a "
-                     "one-element NCCL all-reduce (device-side rank alignment); median over rounds, max over "
-                     "ranks; E_res and the serial excess are medians of within-round differences, or for "
+                     "one-element NCCL all-reduce (device-side rank alignment); each trial the max over ranks, "
+                     "then the median over trials; E_res and the serial excess are medians of within-round differences, or for "
                      "T_FA >= alternate_min_us of alternate_pairs aligned pairs of adjacent launches in "
                      "alternating order; sender-side boundary for fused/fused_cc (settled once after the "
                      "replays)",

@@ -61,11 +61,10 @@ for stage in $stages; do
       # the full protocol and no ready wait ("done"), with and without NVLink.
       protocol_diag fused_ready faready '{"self":{"mode":"piggyback","self_store":true},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_gate":{"mode":"piggyback","self_store":true,"signal":"gate_only"},"self_sleep":{"mode":"piggyback","self_store":true,"ready_poll_ns":500},"done":{"mode":"piggyback","signal":"done"},"gate":{"mode":"piggyback","signal":"gate_only"},"sleep":{"mode":"piggyback","ready_poll_ns":500}}' ;;
     fapaced)
-      # store="paced" (half of a tile's stores at its epilogue, half under the next tile's first GEMM) beside
-      # the burst epilogue, at M = $FADIAG_SEQ, with the self-store control of both (what NVLink adds to
-      # each), and paced at pin_softmax 34 (the paced kernel's Q-loop schedules 61 of 66 exponentials ahead
-      # of the PV wait at the default pin, against the burst kernel's 51).
-      protocol_diag fused_paced fapaced '{"paced":{"mode":"piggyback","store":"paced"},"paced34":{"mode":"piggyback","store":"paced","pin_softmax":34},"self":{"mode":"piggyback","self_store":true},"self_paced":{"mode":"piggyback","self_store":true,"store":"paced"}}' ;;
+      # store="paced" (a tile's stores spread over the next tile's Q-loop) beside the default burst epilogue,
+      # at M = $FADIAG_SEQ: pace 1 and 2 KV blocks per vector, pin_softmax 34, and the self-store control of
+      # the burst and the paced epilogue (what NVLink adds to each).
+      protocol_diag fused_paced fapaced '{"paced":{"mode":"piggyback","store":"paced"},"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"paced34":{"mode":"piggyback","store":"paced","pin_softmax":34},"self":{"mode":"piggyback","self_store":true},"self_paced":{"mode":"piggyback","self_store":true,"store":"paced"}}' ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)
