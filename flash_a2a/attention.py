@@ -13,10 +13,12 @@ Epilogue (compile-time ``mode``), per MMA warpgroup, on its own 64-row half of t
 - ``completion_coupled``: as piggyback, but the warpgroup waits for its stores to be performed at system
   scope (fence.acq_rel.sys) before going on: the paper's counterfactual (eq. 17).
 Each warpgroup owns its 64-row half and stores it without waiting for the other (ping-pong already
-offsets the two), so a tile boundary is two 16 KiB bursts per SM rather than one 32 KiB burst. The
-aggregate of a fully aligned wave is unchanged (4.1 MiB on 132 SMs, above the H200's Q = 2.4 MiB: eq. 7
-prices it at ~4.5 µs, once, while the CTAs' boundaries are still aligned); every later burst has a whole
-Q-loop (≥ 100 µs ≫ G* = 11 µs) to drain in.
+offsets the two), so a tile boundary is two 16 KiB bursts per SM rather than one 32 KiB burst. Every
+tile costs the same, so the persistent CTAs' boundaries stay aligned round after round: each round boundary
+sends ~66 remote tiles (2.1 MiB at P = 2) at once, above Q(66) = 1.46 MiB, and every burst then has a whole
+Q-loop (≥ 100 µs ≫ G* = 11 µs) to drain in. What NVLink adds to the residual (fused − the self-store
+control) is per round boundary on H200: 3.6-10 µs at M = 8K/16K; store="paced" (the stores spread over the
+next Q-loop) removes it, but its Q-loop code costs the mainloop more (see ``store``).
 
 Tile order (flash_a2a.mapping.tile_coords): the destination rank varies fastest, then the row block within
 that rank, then the head, then the batch, so concurrently running tiles spread their bursts over every link
