@@ -110,15 +110,20 @@ def _dummy(device) -> _Dummy:
 
 
 def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: bool = True,
-                    tile_order_world: int = 1, persistent: bool = True, **variant) -> torch.Tensor:
+                    tile_order_world: int = 1, persistent: bool = True, tile_order_rank: int = 0,
+                    **variant) -> torch.Tensor:
     """Non-causal attention softmax(q kᵀ · scale) v on one GPU, (b, S, H, d) in and out.
 
     ``overlap=False`` selects the plain mainloop (no intra-warpgroup overlap, no ping-pong).
     ``tile_order_world=P`` walks the tiles in the fused kernel's order for P ranks (destination rank fastest)
-    without changing the result, so FA-only and fused runs can be compared on the same schedule.
+    without changing the result, so FA-only and fused runs can be compared on the same schedule;
+    ``tile_order_rank`` names the rank whose order that is (its own tiles end the walk).
     ``variant`` passes mainloop knobs of ``FlashAttentionA2AForward`` (``lag_v``, ``sync_first_block``,
     ``pin_softmax``) for
     side-by-side benchmarks; ``persistent=False`` launches one CTA per tile instead of one per SM."""
+    if not 0 <= tile_order_rank < tile_order_world:
+        raise ValueError(f"tile_order_rank must be in [0, {tile_order_world}) (a rank of the tile order's "
+                         f"world), got {tile_order_rank}")
     check_qkv(q, k, v, tile_order_world)
     b, s, h, d = q.shape
     if out is None:
@@ -130,7 +135,8 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     dm = _dummy(q.device)
     _kernel(q.dtype, d, "local", spans is not None, overlap, **variant)(
         q, k, v, out, dm.i64, dm.i64, dm.i64, dm.i64, dm.i32, dm.i32, spans if spans is not None else dm.spans,
-        (out,), _scale(softmax_scale, d), 0, tile_order_world, _grid(n_tiles, q.device, persistent), DEFAULT_TIMEOUT_NS)
+        (out,), _scale(softmax_scale, d), tile_order_rank, tile_order_world, _grid(n_tiles, q.device, persistent),
+        DEFAULT_TIMEOUT_NS)
     return out
 
 

@@ -274,17 +274,18 @@ def _run(rank, world, args):
             # pre-attention inputs: this rank's (b, S/P, H, d) slices of q, k, v
             xs = [torch.randn(1, s // world, h_loc * world, HEAD_DIM, device="cuda").to(torch.bfloat16)
                   for _ in range(3)]
+            fused_order = {"tile_order_world": world, "tile_order_rank": rank}  # this rank's fused tile walk
             cols = {
-                "fa_ours": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world),
+                "fa_ours": lambda: flash_attention(q, k, v, out=o_ours, **fused_order),
                 "fa_ours_plain_order": lambda: flash_attention(q, k, v, out=o_ours),
                 "fa_ours_no_overlap": lambda: flash_attention(q, k, v, out=o_ours, overlap=False),
-                "fa_ours_lag_v": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
+                "fa_ours_lag_v": lambda: flash_attention(q, k, v, out=o_ours, **fused_order,
                                                          lag_v=True, sync_first_block=False),
-                "fa_ours_nonpersistent": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
+                "fa_ours_nonpersistent": lambda: flash_attention(q, k, v, out=o_ours, **fused_order,
                                                                  persistent=False),
-                "fa_ours_unpinned": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
+                "fa_ours_unpinned": lambda: flash_attention(q, k, v, out=o_ours, **fused_order,
                                                             pin_softmax=False, rescale_before_pv=False),
-                "fa_ours_pin_all": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
+                "fa_ours_pin_all": lambda: flash_attention(q, k, v, out=o_ours, **fused_order,
                                                            pin_softmax=True),
                 "cudnn": lambda: base["cudnn"](q, k, v),
                 "a2a_nccl": lambda: nccl_post_a2a(o_ours),
@@ -301,7 +302,7 @@ def _run(rank, world, args):
                     cols["fused_" + name] = (lambda kn: lambda: fused.launch(q, k, v, wait=False, **kn))(knobs)
                 else:
                     cols["fa_ours_" + name] = (lambda kn: lambda: flash_attention(
-                        q, k, v, out=o_ours, tile_order_world=world, **kn))(knobs)
+                        q, k, v, out=o_ours, **fused_order, **kn))(knobs)
             if "fa4" in base:
                 cols["fa4"] = lambda: base["fa4"](q, k, v)
                 cols["serial_fa4_nccl"] = lambda: nccl_post_a2a(base["fa4"](q, k, v))
@@ -346,7 +347,7 @@ def _run(rank, world, args):
                 # whether the fused launch ran at a lower SM clock (a power-limited chip pays for NVLink too).
                 sp_local = torch.zeros_like(sp)
                 launches = {"spans": lambda: fused.launch(q, k, v, mode="piggyback", wait=True, spans=sp),
-                            "spans_fa_only": lambda: flash_attention(q, k, v, out=o_ours, tile_order_world=world,
+                            "spans_fa_only": lambda: flash_attention(q, k, v, out=o_ours, **fused_order,
                                                                      spans=sp_local)}
                 align = _device_align(None)
                 for _ in range(2):
@@ -415,7 +416,8 @@ def _write(rows, base, args) -> None:
            "method": "CUDA-Graph replay of calls_per_graph back-to-back calls; all columns replayed in "
                      "interleaved rounds, a fresh random order each round, every timed region started after a "
                      "one-element NCCL all-reduce (device-side rank alignment); each trial the max over ranks, "
-                     "then the median over trials; E_res and the serial excess are medians of within-round differences, or for "
+                     "then the median over trials; E_res and the serial excess are medians of within-round "
+                     "differences, or for "
                      "T_FA >= alternate_min_us of alternate_pairs aligned pairs of adjacent launches in "
                      "alternating order; sender-side boundary for fused/fused_cc (settled once after the "
                      "replays)",

@@ -214,6 +214,10 @@ def test_bad_input_rejected_before_launch():
     with pytest.raises(ValueError, match="CUDA"):
         qb = q.to(torch.bfloat16)
         check_qkv(qb, qb, qb)
+    from flash_a2a.api import flash_attention
+
+    with pytest.raises(ValueError, match="tile_order_rank"):
+        flash_attention(q, q, q, tile_order_world=2, tile_order_rank=2)
 
 
 def reference_attention(q, k, v, scale=None):
@@ -250,6 +254,7 @@ def test_tile_order_and_mainloop_variants_agree():
     q, k, v = (torch.randn(1, 2048, 3, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
     base = flash_attention(q, k, v)
     assert torch.equal(flash_attention(q, k, v, tile_order_world=2), base), "tile order must not change O"
+    assert torch.equal(flash_attention(q, k, v, tile_order_world=2, tile_order_rank=1), base)
     for variant in ({"lag_v": True}, {"sync_first_block": False}, {"persistent": False}, {"pin_softmax": True},
                     {"pin_softmax": False, "rescale_before_pv": False}, {"pin_softmax": 40}, {"p_first": True},
                     {"store": "bulk"}, {"store": "bulk", "pin_softmax": 34}, {"store": "tma"},
