@@ -521,7 +521,9 @@ class FlashAttentionA2AForward:
         """The whole Q-loop of one tile with intra-warpgroup overlap and warpgroup ping-pong.
 
         Block n's S = Q Kₙᵀ is issued together with block n-1's O += P V; softmax of block n runs while the
-        PV GEMM drains, and the other warpgroup's GEMMs run under this warpgroup's softmax."""
+        PV GEMM drains, and the other warpgroup's GEMMs run under this warpgroup's softmax. store="paced":
+        ``drip`` = (copy, thread slice, staged rows, destination address, heads) of the previous tile, whose
+        vectors [0, n_groups) go out in the loop and [n_groups, n_pending) after it."""
         other = 1 - wg
         # first block: S only
         pipe_k.consumer_wait(kv_state)
