@@ -172,3 +172,25 @@ def softmax_overlap(sass_text: str) -> list[tuple[int, int]]:
             i = j
         i += 1
     return out
+
+
+def hgmma_loop(sass_text: str, hgmmas: int) -> list[str] | None:
+    """The instructions of the shortest backward-branch loop in the SASS that holds exactly ``hgmmas``
+    HGMMAs (the attention kernel's KV-block loop: 16 at d = 128), or None."""
+    ins, labels = [], {}
+    for line in sass_text.splitlines():
+        m = re.match(r"\s*\.(L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if m:
+            ins.append(m.group(1))
+    best = None
+    for i, t in enumerate(ins):
+        m = re.search(r"BRA\s+`\(\.(L_x_\d+)\)", t)
+        j = labels.get(m.group(1)) if m else None
+        if j is not None and j < i and sum("HGMMA" in x for x in ins[j:i + 1]) == hgmmas:
+            if best is None or i - j < len(best):
+                best = ins[j:i + 1]
+    return best

@@ -199,7 +199,7 @@ def pair_stats(firsts: list[float], seconds: list[float]) -> dict:
             "first_median_us": sorted(firsts)[n // 2], "second_median_us": sorted(seconds)[n // 2]}
 
 
-def _paired_excess(times: dict, name: str, base: str, group) -> float | None:
+def _paired_excess(times: dict, name: str, base: str) -> float | None:
     """Median over rounds of (T_name − T_base) measured in the same round (``times``: each round's max over
     ranks, the same on every rank): a residual of a few µs on a kernel of tens of ms is below the
     round-to-round clock drift, which pairing cancels."""
@@ -379,8 +379,8 @@ def _run(rank, world, args):
                 grid = min(n_tiles, torch.cuda.get_device_properties(0).multi_processor_count)
                 row["sigma_us_per_kv_tile"] = t_fa * grid / (n_tiles * (s // 128))
                 for f in [c for c in times if c.startswith("fused")]:  # every fused column, variants included
-                    row[f + "_E_res_us"] = _paired_excess(times, f, "fa_ours", None)
-                row["fused_cc_minus_fused_us"] = _paired_excess(times, "fused_cc", "fused", None)
+                    row[f + "_E_res_us"] = _paired_excess(times, f, "fa_ours")
+                row["fused_cc_minus_fused_us"] = _paired_excess(times, "fused_cc", "fused")
                 row["tiles_per_cta"] = n_tiles / grid
                 for ser in ("serial_ours_nccl", "serial_fa4_nccl"):
                     if ser + "_us" in row and "fused_us" in row:
@@ -390,7 +390,7 @@ def _run(rank, world, args):
                 if "serial_ours_nccl_us" in row and "fused_us" in row:
                     exposed = (alt["serial_ours_nccl_minus_fa_plain"]["median_us"]
                                if "serial_ours_nccl_minus_fa_plain" in alt else
-                               _paired_excess(times, "serial_ours_nccl", "fa_ours_plain_order", None))
+                               _paired_excess(times, "serial_ours_nccl", "fa_ours_plain_order"))
                     row["serial_ours_nccl_excess_us"] = exposed
                     e_res = row.get("fused_E_res_us")
                     row["hiding_ratio"] = (1.0 - e_res / exposed

@@ -12,21 +12,39 @@ import torch
 pytest.importorskip("cutlass")
 
 
+def _compile(dump_dir, **knobs):
+    """FlashAttentionA2AForward(**knobs) compiled for sm_90a from fake tensors, dumping into ``dump_dir``."""
+    from cutlass.runtime import make_fake_stream
+
+    from cute_kernels.compile import compile_kernel
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    dump_dir.mkdir(exist_ok=True)
+    k = FlashAttentionA2AForward(**knobs)
+    return compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(dump_dir))
+
+
+def _sass(compiled) -> str:
+    from cute_kernels.compile import sass
+
+    text = sass(compiled.cubin)
+    if text is None:
+        pytest.skip("no nvdisasm on this machine (it comes with triton)")
+    return text
+
+
 @pytest.mark.parametrize("store", ["st", "bulk", "tma", "paced"])
 @pytest.mark.parametrize("mode", ["local", "piggyback", "completion_coupled"])
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_variants_compile_with_wgmma(tmp_path, mode, head_dim, store):
-    from cutlass.runtime import make_fake_stream
-
-    from cute_kernels.compile import compile_kernel, ptxas_resource_usage
+    from cute_kernels.compile import ptxas_resource_usage
     from flash_a2a.attention import FlashAttentionA2AForward
 
     if store == "paced" and mode != "piggyback":
         with pytest.raises(ValueError, match="paced"):
             FlashAttentionA2AForward(head_dim=head_dim, mode=mode, store=store, n_dst=1 if mode == "local" else 2)
         return
-    k = FlashAttentionA2AForward(head_dim=head_dim, mode=mode, store=store, n_dst=1 if mode == "local" else 2)
-    c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
+    c = _compile(tmp_path, head_dim=head_dim, mode=mode, store=store, n_dst=1 if mode == "local" else 2)
     assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16") >= 2 * (head_dim // 16)
     assert c.ptx_count(r"cp\.async\.bulk\.tensor") >= 3, "Q, K, V through TMA"
     if store in ("st", "paced"):
@@ -55,16 +73,9 @@ def test_pinned_softmax_overlaps_the_pv_gemm_in_sass(tmp_path, pin, at_least):
     the wait for S and the wait for the warpgroup's own PV GEMM (the default "first_row": one row of two, plus
     what ptxas hoists of the second; True: all 2 x 32); the kernel stays free of local-memory spills and keeps
     its HGMMAs. Unpinned, ptxas sinks nearly all of them below the PV wait (what the knob is for)."""
-    from cutlass.runtime import make_fake_stream
+    from cute_kernels.compile import softmax_overlap
 
-    from cute_kernels.compile import compile_kernel, sass, softmax_overlap
-    from flash_a2a.attention import FlashAttentionA2AForward
-
-    k = FlashAttentionA2AForward(head_dim=128, mode="local", pin_softmax=pin)
-    c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
-    text = sass(c.cubin)
-    if text is None:
-        pytest.skip("no nvdisasm on this machine (it comes with triton)")
+    text = _sass(_compile(tmp_path, head_dim=128, mode="local", pin_softmax=pin))
     assert "HGMMA.64x128x16.F32.BF16" in text
     assert "STL" not in text and "LDL" not in text
     windows = softmax_overlap(text)
@@ -80,19 +91,13 @@ def test_unsignaled_control_has_no_flag_protocol(tmp_path):
     """Each ``signal`` value compiles to exactly its part of the flag protocol: False none; True the ready
     polls (one warp, an mbarrier for the storing warpgroups), the completion fence and the data-flag adds;
     the controls leave out the fence, the ready wait, or both."""
-    from cutlass.runtime import make_fake_stream
-
-    from cute_kernels.compile import compile_kernel
     from flash_a2a.attention import FlashAttentionA2AForward
 
     # (completion fences, ready polls, data-flag adds) each signal value must compile to
     expect = {False: (0, 0, 0), True: (1, 1, 1), "nofence": (0, 1, 1), "done": (1, 0, 1), "done_nofence": (0, 0, 1),
               "gate_only": (1, 0, 1)}
     for signal, (want_fences, want_polls, want_adds) in expect.items():
-        k = FlashAttentionA2AForward(head_dim=128, mode="piggyback", signal=signal)
-        d = tmp_path / str(signal)
-        d.mkdir()
-        c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(d))
+        c = _compile(tmp_path / str(signal), head_dim=128, mode="piggyback", signal=signal)
         fences, polls = c.ptx_count(r"fence\.acq_rel\.sys"), c.ptx_count(r"ld\.acquire\.sys")
         adds = c.ptx_count(r"red\.relaxed\.sys(\.global)?\.add\.u64")
         got = (fences, min(polls, 1), min(adds, 1))
@@ -103,10 +108,7 @@ def test_unsignaled_control_has_no_flag_protocol(tmp_path):
         FlashAttentionA2AForward(head_dim=128, mode="piggyback", signal="sometimes")
     # the ready-poll back-off: a nanosleep in the waiting warp's loop, none by default (checked above: the
     # default compiled without one)
-    k = FlashAttentionA2AForward(head_dim=128, mode="piggyback", ready_poll_ns=500)
-    d = tmp_path / "sleep"
-    d.mkdir()
-    c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(d))
+    c = _compile(tmp_path / "sleep", head_dim=128, mode="piggyback", ready_poll_ns=500)
     assert c.ptx_count(r"nanosleep\.u32") == 1 and c.ptx_count(r"ld\.acquire\.sys") >= 1
     with pytest.raises(ValueError, match="ready_poll_ns"):
         FlashAttentionA2AForward(head_dim=128, mode="piggyback", ready_poll_ns=-1)
@@ -119,46 +121,18 @@ def test_paced_stores_issue_inside_the_q_loop(tmp_path):
     are refused."""
     import re
 
-    from cutlass.runtime import make_fake_stream
-
-    from cute_kernels.compile import compile_kernel, sass
+    from cute_kernels.compile import hgmma_loop
     from flash_a2a.attention import FlashAttentionA2AForward
-
-    def kv_loop(text):
-        """The instructions of the innermost backward-branch loop holding 16 HGMMAs."""
-        ins, labels = [], {}
-        for line in text.splitlines():
-            m = re.match(r"\s*\.(L_x_\d+):", line)
-            if m:
-                labels[m.group(1)] = len(ins)
-                continue
-            m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
-            if m:
-                ins.append(m.group(1))
-        best = None
-        for i, t in enumerate(ins):
-            m = re.search(r"BRA\s+`\(\.(L_x_\d+)\)", t)
-            j = labels.get(m.group(1)) if m else None
-            if j is not None and j < i and sum("HGMMA" in x for x in ins[j:i + 1]) == 16:
-                if best is None or i - j < len(best):
-                    best = ins[j:i + 1]
-        return best
 
     loops = {}
     for store in ("st", "paced"):
-        k = FlashAttentionA2AForward(head_dim=128, mode="piggyback", store=store, n_dst=2)
-        d = tmp_path / store
-        d.mkdir()
-        c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(d))
-        text = sass(c.cubin)
-        if text is None:
-            pytest.skip("no nvdisasm on this machine (it comes with triton)")
+        text = _sass(_compile(tmp_path / store, head_dim=128, mode="piggyback", store=store, n_dst=2))
         assert "STL" not in text and "LDL" not in text
-        loops[store] = kv_loop(text)
+        loops[store] = hgmma_loop(text, 16)
         assert loops[store] is not None, store
     assert not any(x.startswith(("STG", "@")) and "STG" in x for x in loops["st"])
     assert any("STG.E.128" in x for x in loops["paced"]), loops["paced"]
-    assert any(x.split()[0].lstrip("@!UP0123456").startswith("LDS") or " LDS" in x for x in loops["paced"])
+    assert any(re.search(r"(^|\s)LDS", x) for x in loops["paced"])
     for bad in ({"mode": "completion_coupled"}, {"overlap": False}):
         with pytest.raises(ValueError, match="paced"):
             FlashAttentionA2AForward(head_dim=128, store="paced", n_dst=2, **{"mode": "piggyback", **bad})
@@ -171,21 +145,11 @@ def test_fused_mainloop_schedules_like_local(tmp_path):
     exponentials and FFMAs ahead of the PV wait as in the local kernel. (Holding S/P live across the
     mainloop for the destination row once moved 61 of 66 ahead instead of 51, and the fused kernel lost
     what the pinned mainloop won.)"""
-    from cutlass.runtime import make_fake_stream
-
-    from cute_kernels.compile import compile_kernel, sass, softmax_overlap
-    from flash_a2a.attention import FlashAttentionA2AForward
+    from cute_kernels.compile import softmax_overlap
 
     windows = {}
     for mode in ("local", "piggyback", "completion_coupled"):
-        k = FlashAttentionA2AForward(head_dim=128, mode=mode)
-        d = tmp_path / mode
-        d.mkdir()
-        c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(d))
-        text = sass(c.cubin)
-        if text is None:
-            pytest.skip("no nvdisasm on this machine (it comes with triton)")
-        windows[mode] = softmax_overlap(text)
+        windows[mode] = softmax_overlap(_sass(_compile(tmp_path / mode, head_dim=128, mode=mode)))
     assert len(windows["local"]) == 1, windows
     assert windows["piggyback"] == windows["local"] and windows["completion_coupled"] == windows["local"], windows
 
