@@ -67,16 +67,18 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world: int = 1)
                          f"({world} rank(s) x {TILE_M}-row tiles); pad the sequence")
 
 
-def check_spans(spans, n_tiles: int, device) -> None:
-    """The instrumentation buffer: int64 (n_tiles x 2 MMA warpgroups, 4) on the kernel's device: per row the
-    remote-store span (globaltimer start, end; clock64 start, end)."""
+def check_spans(spans, n_tiles: int, device, extra_rows: int = 0) -> None:
+    """The instrumentation buffer: int64 (n_tiles x 2 MMA warpgroups + ``extra_rows``, 4) on the kernel's
+    device: per tile row the remote-store span (globaltimer start, end; clock64 start, end); the fused kernel
+    adds one row per CTA (``extra_rows`` = its grid) for the ready protocol (flash_a2a.spans.ready_rows)."""
     if spans is None:
         return
-    rows = n_tiles * (TILE_M // 64)
+    rows = n_tiles * (TILE_M // 64) + extra_rows
     if (not isinstance(spans, torch.Tensor) or spans.dtype != torch.int64 or spans.device != device
             or spans.dim() != 2 or spans.shape[0] < rows or spans.shape[1] != 4 or not spans.is_contiguous()):
         raise ValueError(f"spans must be a contiguous int64 tensor of shape ({rows}, 4) on {device} "
-                         f"(one row per tile and MMA warpgroup); allocate torch.zeros({rows}, 4, dtype=torch.int64)")
+                         f"(one row per tile and MMA warpgroup, then one per CTA of the fused kernel); allocate "
+                         f"torch.zeros({rows}, 4, dtype=torch.int64)")
 
 
 def _scale(softmax_scale, d):
@@ -176,7 +178,7 @@ class FusedAttentionA2A:
         st = self.state(q)
         b, s, h_loc, d = q.shape
         n_tiles = (s // TILE_M) * h_loc * b
-        check_spans(spans, n_tiles, q.device)
+        check_spans(spans, n_tiles, q.device, _grid(n_tiles, q.device))
         dm = _dummy(q.device)
         out_ptrs = st.self_ptrs if self_store else st.out_ptrs
         dsts = (st.out,) * self.world if self_store else st.peer_outs  # tensor maps of store="tma"

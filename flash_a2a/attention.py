@@ -43,6 +43,7 @@ from cutlass.utils import LayoutEnum
 from quack import copy_utils, layout_utils, sm90_utils
 from quack.cute_dsl_utils import ParamsBase
 
+from cute_kernels.flags import nanosleep
 from flash_a2a.epoch import announce_ready, await_all_ready, publish_done
 from flash_a2a.mapping import tile_coords  # noqa: F401 - the kernel's tile walk, shared with the host
 
@@ -130,7 +131,7 @@ class FlashAttentionA2AForward:
                  instrument: bool = False, overlap: bool = True, lag_v: bool = False,
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
-                 n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1):
+                 n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -184,6 +185,11 @@ class FlashAttentionA2AForward:
         if not (isinstance(ready_poll_ns, int) and 0 <= ready_poll_ns <= 1_000_000):
             raise ValueError(f"ready_poll_ns must be an int in 0..1000000, got {ready_poll_ns!r}")
         self.ready_poll_ns = ready_poll_ns
+        # ready_delay_ns (a benchmark control): the waiting warp announces, then idles this long before its
+        # first poll, so the poll finds the flag already set (the first remote store is a Q-loop away).
+        if not (isinstance(ready_delay_ns, int) and 0 <= ready_delay_ns <= 10_000_000):
+            raise ValueError(f"ready_delay_ns must be an int in 0..10000000, got {ready_delay_ns!r}")
+        self.ready_delay_ns = ready_delay_ns
         self.done_fence = fused and signal in (True, "done", "gate_only")
         self.dtype, self.head_dim, self.mode, self.num_stages = dtype, head_dim, mode, num_stages
         self.instrument = instrument
@@ -355,11 +361,20 @@ class FlashAttentionA2AForward:
             if const_expr(self.flags_on):
                 if warp_idx == 1:  # idle otherwise: system-scope fences and flag polls cost no MMA time here
                     if const_expr(self.ready_on):
+                        t_start = cute.arch.globaltimer()
                         e_next = epoch[0] + 1
                         announce_ready(flag_ptrs, rank, world, e_next, tidx % 32, bidx)
+                        if const_expr(self.ready_delay_ns > 0):
+                            while cute.arch.globaltimer() - t_start < Int64(self.ready_delay_ns):
+                                nanosleep(1000)
                         await_all_ready(flags, world, e_next, timeout_ns, errors, tidx % 32, bidx,
                                         [EPILOGUE_BARRIER + wg for wg in range(self.num_mma_wg)],
                                         WG_THREADS + 32, self.ready_poll, self.ready_poll_ns)
+                        if const_expr(self.instrument):
+                            if tidx % 32 == 0:  # the CTA's ready row, after the per-tile rows
+                                row = n_tiles * self.num_mma_wg + bidx
+                                spans[row, 0] = t_start
+                                spans[row, 1] = cute.arch.globaltimer()
                     # the CTA's completion waits for this warp too: it must read the epoch before it advances
                     cute.arch.barrier_arrive(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
             if warp_idx == 0:
@@ -654,7 +669,14 @@ class FlashAttentionA2AForward:
                 # H200 at 12 heads/8K the ready wait still costs +2.9 µs with remote stores, +4.4 with the
                 # self-store control: fused_parts_bf4aabc.json; the cause is open.)
                 gate = Int32(WG_THREADS) + Int32(32) * Int32(t == Int32(bidx))
+                if const_expr(self.instrument):
+                    gt_gate = cute.arch.globaltimer()
                 cute.arch.barrier(barrier_id=bar_id, number_of_threads=gate)  # sO rows free again
+                if const_expr(self.instrument):
+                    if t == Int32(bidx):
+                        if tidx == 0:  # first warpgroup, first tile: when it reached the gate and passed it
+                            spans[n_tiles * self.num_mma_wg + bidx, 2] = gt_gate
+                            spans[n_tiles * self.num_mma_wg + bidx, 3] = cute.arch.globaltimer()
             else:
                 cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)  # sO rows free again
             cute.copy(st_atom, thr_st.retile(r_o), tOsO)

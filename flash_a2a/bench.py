@@ -335,17 +335,19 @@ def _run(rank, world, args):
             got = fused.launch(q, k, v, mode="piggyback", wait=True).clone()
             row["fused_exact_vs_serial"] = bool(torch.equal(got, nccl_post_a2a(ref)))
             if args.spans:  # one instrumented launch: per-tile store spans, summarized (flash_a2a.spans)
-                from flash_a2a.spans import summarize_spans
+                from flash_a2a.spans import summarize_ready, summarize_spans
 
                 n_tiles_all = (s // 128) * h_loc
-                sp = torch.zeros(n_tiles_all * 2, 4, dtype=torch.int64, device="cuda")
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                grid = min(n_tiles_all, sms)
+                sp = torch.zeros(n_tiles_all * 2 + grid, 4, dtype=torch.int64, device="cuda")  # + ready rows
                 # The summary comes from the second launch, after a barrier: the first instrumented launch of a
                 # process ran while the peer was still compiling it, and measured 70-110 µs bursts and a
                 # globaltimer jump that a repeat of the same shape did not show (2ca7a0c, 3 heads/8K).
                 # The same for our FA-only kernel in the same tile order, as the control: its "remote" tiles are
                 # the ones the fused kernel would send (stored locally here), and its clock estimate shows
                 # whether the fused launch ran at a lower SM clock (a power-limited chip pays for NVLink too).
-                sp_local = torch.zeros_like(sp)
+                sp_local = torch.zeros(n_tiles_all * 2, 4, dtype=torch.int64, device="cuda")
                 launches = {"spans": lambda: fused.launch(q, k, v, mode="piggyback", wait=True, spans=sp),
                             "spans_fa_only": lambda: flash_attention(q, k, v, out=o_ours, **fused_order,
                                                                      spans=sp_local)}
@@ -358,14 +360,17 @@ def _run(rank, world, args):
                         launch()
                 torch.cuda.synchronize()
                 fused.check()
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
                 for key, dump in (("spans", sp), ("spans_fa_only", sp_local)):
                     try:  # rank-local reading: a bad dump is recorded, not fatal
                         row[key] = summarize_spans(dump.cpu().numpy(), world=world, rank=rank,
                                                    n_mb_per_rank=s // world // 128, h_loc=h_loc, batch=1,
-                                                   grid=min(n_tiles_all, sms), bytes_per_row_half=64 * HEAD_DIM * 2)
+                                                   grid=grid, bytes_per_row_half=64 * HEAD_DIM * 2)
                     except ValueError as e:
                         row[key + "_error"] = str(e)
+                try:
+                    row["spans_ready"] = summarize_ready(sp.cpu().numpy(), n_tiles=n_tiles_all, grid=grid)
+                except ValueError as e:
+                    row["spans_ready_error"] = str(e)
             if "fa4" in base:
                 o4 = base["fa4"](q, k, v)
                 row["max_abs_diff_vs_fa4"] = float((o4.float() - ref.float()).abs().max())

@@ -75,3 +75,23 @@ def summarize_spans(spans, *, world: int, rank: int, n_mb_per_rank: int, h_loc: 
         "between_bursts_us_after_remote": _pct(between_us[after_remote]),
         "between_bursts_us_after_local": _pct(between_us[~after_remote]),
     }
+
+
+def summarize_ready(spans, *, n_tiles: int, grid: int, warpgroups: int = 2) -> dict:
+    """The fused kernel's per-CTA ready rows (after the ``n_tiles * warpgroups`` tile rows), globaltimer ns:
+    (ready warp start, its poll done, first warpgroup at its first-tile gate, past the gate). Returns the poll
+    time (announce and wait for every receiver's ready flag), how long the first store waited at the gate,
+    and when the poll ended against the gate's arrival (negative: the flag was there before it was needed)."""
+    a = np.asarray(spans, dtype=np.int64)
+    lo = n_tiles * warpgroups
+    if a.ndim != 2 or a.shape[1] != 4 or a.shape[0] < lo + grid:
+        raise ValueError(f"spans must hold {lo + grid} rows (tiles, then one per CTA), got {tuple(a.shape)}")
+    r = a[lo:lo + grid].astype(np.float64)
+    if (r[:, 0] <= 0).any() or (r[:, 1] < r[:, 0]).any() or (r[:, 3] < r[:, 2]).any():
+        raise ValueError("ready rows unwritten or non-monotone: was the fused launch instrumented, with signal=True?")
+    start = r[:, 0].min()
+    return {"poll_us": _pct((r[:, 1] - r[:, 0]) / 1e3),
+            "poll_end_us_after_start": _pct((r[:, 1] - start) / 1e3),
+            "gate_wait_us": _pct((r[:, 3] - r[:, 2]) / 1e3),
+            "poll_end_minus_gate_arrival_us": _pct((r[:, 1] - r[:, 2]) / 1e3),
+            "first_gate_arrival_us_after_start": _pct((r[:, 2] - start) / 1e3)}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flash_a2a.mapping import tile_coords
-from flash_a2a.spans import summarize_spans
+from flash_a2a.spans import summarize_ready, summarize_spans
 
 
 def _dump(world, rank, n_mb, h_loc, batch, grid, clock_ghz, t_tile_us, remote_issue_us, local_issue_us):
@@ -80,3 +80,22 @@ def test_bad_dumps_are_rejected():
         summarize_spans(spans, world=2, rank=0, n_mb_per_rank=1, h_loc=2, batch=1, grid=4, bytes_per_row_half=1)
     with pytest.raises(ValueError, match="must be"):
         summarize_spans(spans[:3], world=2, rank=0, n_mb_per_rank=1, h_loc=2, batch=1, grid=4, bytes_per_row_half=1)
+
+
+def test_ready_rows_give_poll_and_gate_times():
+    rng = np.random.default_rng()
+    n_tiles, grid = int(rng.integers(10, 40)), int(rng.integers(2, 9))
+    start = 5_000_000 + rng.integers(0, 1000, grid)
+    poll = rng.integers(100, 5000, grid)          # ns the ready warp spent announcing and polling
+    arrive = start + rng.integers(20_000, 90_000, grid)  # first warpgroup at its first-tile gate
+    wait = rng.integers(0, 3000, grid)
+    tiles = np.ones((n_tiles * 2, 4), dtype=np.int64)
+    ready = np.stack([start, start + poll, arrive, arrive + wait], axis=1)
+    r = summarize_ready(np.concatenate([tiles, ready]), n_tiles=n_tiles, grid=grid)
+    assert r["poll_us"]["max"] == pytest.approx(poll.max() / 1e3)
+    assert r["gate_wait_us"]["p50"] == pytest.approx(np.median(wait) / 1e3)
+    assert r["poll_end_minus_gate_arrival_us"]["max"] == pytest.approx((start + poll - arrive).max() / 1e3)
+    with pytest.raises(ValueError, match="rows"):
+        summarize_ready(tiles, n_tiles=n_tiles, grid=grid)
+    with pytest.raises(ValueError, match="unwritten"):
+        summarize_ready(np.concatenate([tiles, np.zeros((grid, 4), np.int64)]), n_tiles=n_tiles, grid=grid)

@@ -285,9 +285,12 @@ def _worker(rank, world, init_file, path):
             assert torch.equal(graph_out.cpu(), reference_post_a2a([x.cpu() for x in gathered])[rank])
             checked += 1
             dist.barrier()
-        # Per-tile instrumentation: one span row per (tile, MMA warpgroup), every one written and ordered.
+        # Per-tile instrumentation: one span row per (tile, MMA warpgroup), then one ready row per CTA (the
+        # grid is one CTA per tile here: 16 tiles), every one written and ordered.
         q, k, v = (torch.randn(1, 1024, 2, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
-        n_rows = (1024 // 128) * 2 * 2
+        n_rows = (1024 // 128) * 2 * 2 + (1024 // 128) * 2
+        with pytest.raises(ValueError, match="ready|one per CTA"):
+            fused.launch(q, k, v, spans=torch.zeros(n_rows - 1, 4, dtype=torch.int64, device="cuda"))
         spans = torch.zeros(n_rows, 4, dtype=torch.int64, device="cuda")
         spanned = fused.launch(q, k, v, spans=spans).clone()
         plain = fused.launch(q, k, v).clone()

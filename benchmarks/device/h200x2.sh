@@ -60,6 +60,16 @@ for stage in $stages; do
       # the gate's barrier arrival without the poll ("gate_only") and the poll with a 500 ns back-off, beside
       # the full protocol and no ready wait ("done"), with and without NVLink.
       protocol_diag fused_ready faready '{"self":{"mode":"piggyback","self_store":true},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_gate":{"mode":"piggyback","self_store":true,"signal":"gate_only"},"self_sleep":{"mode":"piggyback","self_store":true,"ready_poll_ns":500},"done":{"mode":"piggyback","signal":"done"},"gate":{"mode":"piggyback","signal":"gate_only"},"sleep":{"mode":"piggyback","ready_poll_ns":500}}' ;;
+    fareadyspans)
+      # Where the ready wait's cost comes from (faparts at 8fc9d76: ~0.65% of T_FA at every shape, the whole
+      # residual at 32K): the protocol's parts beside a 50 µs delay before the first poll, with the per-CTA
+      # ready rows of an instrumented launch (poll time, first-tile gate wait) in spans_ready.
+      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fused_ready_spans.json" \
+        --seq-lens ${FADIAG_SEQ:-16384 32768} --replays 10 --alternate-min-us 0 --skip fa_ours_no_overlap \
+        fa_ours_lag_v fa_ours_pin_all fa_ours_unpinned fa_ours_plain_order fa_ours_nonpersistent pre_a2a_nccl \
+        pre_a2a_symm cudnn a2a_nccl a2a_symm serial_ours_nccl fused_cc fused_visible fa4 serial_fa4_nccl \
+        --variants '{"self":{"mode":"piggyback","self_store":true},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_gate":{"mode":"piggyback","self_store":true,"signal":"gate_only"},"self_delay":{"mode":"piggyback","self_store":true,"ready_delay_ns":50000},"delay":{"mode":"piggyback","ready_delay_ns":50000},"done":{"mode":"piggyback","signal":"done"}}' \
+        2>&1 | tee "$OUT/fareadyspans.log" ;;
     fapaced)
       # store="paced" (a tile's stores spread over the next tile's Q-loop) beside the default burst epilogue,
       # at M = $FADIAG_SEQ: pace 1 and 2 KV blocks per vector, pin_softmax 34, and the self-store control of
