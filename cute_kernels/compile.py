@@ -177,6 +177,12 @@ def softmax_overlap(sass_text: str) -> list[tuple[int, int]]:
 def hgmma_loop(sass_text: str, hgmmas: int) -> list[str] | None:
     """The instructions of the shortest backward-branch loop in the SASS that holds exactly ``hgmmas``
     HGMMAs (the attention kernel's KV-block loop: 16 at d = 128), or None."""
+    return sass_loop(sass_text, lambda body: sum("HGMMA" in x for x in body) == hgmmas)
+
+
+def sass_loop(sass_text: str, accept) -> list[str] | None:
+    """The instructions of the shortest backward-branch loop in the SASS whose body ``accept`` (a predicate
+    on the instruction list) takes, or None. E.g. the TMA producer's KV loop: ``"UTMALDG"`` in a body."""
     ins, labels = [], {}
     for line in sass_text.splitlines():
         m = re.match(r"\s*\.(L_x_\d+):", line)
@@ -190,7 +196,7 @@ def hgmma_loop(sass_text: str, hgmmas: int) -> list[str] | None:
     for i, t in enumerate(ins):
         m = re.search(r"BRA\s+`\(\.(L_x_\d+)\)", t)
         j = labels.get(m.group(1)) if m else None
-        if j is not None and j < i and sum("HGMMA" in x for x in ins[j:i + 1]) == hgmmas:
+        if j is not None and j < i and accept(ins[j:i + 1]):
             if best is None or i - j < len(best):
                 best = ins[j:i + 1]
     return best

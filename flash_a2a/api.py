@@ -111,6 +111,19 @@ def _dummy(device) -> _Dummy:
     return _DUMMIES[device]
 
 
+# The fused kernel's tile walk, used by every FusedAttentionA2A launch unless a variant names its own (and by
+# the benchmark's FA-only control, so both walk the same tiles): see flash_a2a.mapping.tile_halves.
+FUSED_WALK = {"cross_halves": False}
+
+
+def fused_walk(variant: dict) -> dict:
+    """``variant`` with FUSED_WALK's knobs where it names none (the TMA-store epilogues take whole tiles)."""
+    walk = dict(FUSED_WALK)
+    if variant.get("store") in ("bulk", "tma"):
+        walk["cross_halves"] = False
+    return {**walk, **variant}
+
+
 def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: bool = True,
                     tile_order_world: int = 1, persistent: bool = True, tile_order_rank: int = 0,
                     **variant) -> torch.Tensor:
@@ -121,7 +134,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     without changing the result, so FA-only and fused runs can be compared on the same schedule;
     ``tile_order_rank`` names the rank whose order that is (its own tiles end the walk).
     ``variant`` passes mainloop knobs of ``FlashAttentionA2AForward`` (``lag_v``, ``sync_first_block``,
-    ``pin_softmax``) for
+    ``pin_softmax``, ``cross_halves``: the crossed walk, with ``tile_order_world``) for
     side-by-side benchmarks; ``persistent=False`` launches one CTA per tile instead of one per SM."""
     if not 0 <= tile_order_rank < tile_order_world:
         raise ValueError(f"tile_order_rank must be in [0, {tile_order_world}) (a rank of the tile order's "
@@ -182,7 +195,7 @@ class FusedAttentionA2A:
         dm = _dummy(q.device)
         out_ptrs = st.self_ptrs if self_store else st.out_ptrs
         dsts = (st.out,) * self.world if self_store else st.peer_outs  # tensor maps of store="tma"
-        _kernel(q.dtype, d, mode, spans is not None, n_dst=self.world, **variant)(
+        _kernel(q.dtype, d, mode, spans is not None, n_dst=self.world, **fused_walk(variant))(
             q, k, v, q, out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
             spans if spans is not None else dm.spans, dsts, _scale(softmax_scale, d), self.rank, self.world,
             _grid(n_tiles, q.device), self.timeout_ns)

@@ -45,7 +45,7 @@ from quack.cute_dsl_utils import ParamsBase
 
 from cute_kernels.flags import nanosleep
 from flash_a2a.epoch import announce_ready, await_all_ready, publish_done
-from flash_a2a.mapping import tile_coords  # noqa: F401 - the kernel's tile walk, shared with the host
+from flash_a2a.mapping import tile_coords, tile_halves  # the kernel's tile walks, shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
 STORES = ("st", "bulk", "tma", "paced")
@@ -131,7 +131,8 @@ class FlashAttentionA2AForward:
                  instrument: bool = False, overlap: bool = True, lag_v: bool = False,
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
-                 n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0):
+                 n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
+                 cross_halves: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -163,6 +164,14 @@ class FlashAttentionA2AForward:
         if not (isinstance(pace_kv, int) and 1 <= pace_kv <= 8):
             raise ValueError(f"pace_kv must be an int in 1..8 (KV blocks per stored vector), got {pace_kv!r}")
         self.pace_kv = pace_kv
+        # cross_halves: the "crossed" tile walk (flash_a2a.mapping.tile_halves): the two MMA warpgroups of a tile
+        # take 64-row blocks of different ranks' slices (Q comes in two 64-row TMA loads), so a tile sends at
+        # most half of itself to a peer, and the remote tiles are spread evenly over the rounds before the
+        # local tail. Its stores are the "st"/"paced" ones (the TMA-store epilogues address a 128-row tile).
+        if cross_halves and store not in ("st", "paced"):
+            raise ValueError("cross_halves=True works with store='st' or 'paced' (the TMA-store epilogues "
+                             "write whole 128-row tiles): use one of those")
+        self.cross_halves = bool(cross_halves)
         if mode == "local" and n_dst != 1:
             raise ValueError("the local kernel has one destination (n_dst=1)")
         if n_dst < 1:
@@ -277,7 +286,11 @@ class FlashAttentionA2AForward:
         else:
             sO_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
         load_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_layout, (TILE_M, d))
+        if const_expr(self.cross_halves):  # two 64-row loads per tile, one per warpgroup's row block
+            tma_q, gQ_tma = cpasync.make_tiled_tma_atom(
+                load_op, mQt, sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (64, d)), (64, d))
+        else:
+            tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_layout, (TILE_M, d))
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(load_op, mKt, cute.select(sK_layout, mode=[0, 1]),
                                                     (TILE_N, d), 1)
         tma_v, gV_tma = cpasync.make_tiled_tma_atom(load_op, mVt, cute.select(sV_layout, mode=[0, 1]),
@@ -369,7 +382,7 @@ class FlashAttentionA2AForward:
                                 nanosleep(1000)
                         await_all_ready(flags, world, e_next, timeout_ns, errors, tidx % 32, bidx,
                                         [EPILOGUE_BARRIER + wg for wg in range(self.num_mma_wg)],
-                                        WG_THREADS + 32, self.ready_poll, self.ready_poll_ns)
+                                        WG_THREADS + 32, self.ready_poll, self.ready_poll_ns, self.n_dst)
                         if const_expr(self.instrument):
                             if tidx % 32 == 0:  # the CTA's ready row, after the per-tile rows
                                 row = n_tiles * self.num_mma_wg + bidx
@@ -395,9 +408,15 @@ class FlashAttentionA2AForward:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
-            m_block, h, bb, _ = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid))
-            gQ = cute.local_tile(mQ[None, None, h, bb], (TILE_M, d), (m_block, 0))
-            load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ, single_stage=True)
+            if const_expr(self.cross_halves):
+                hb0, hb1, h, bb, _, _ = tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid),
+                                                    True)
+                load_q = self.q_halves_loader(tma_q, mQ[None, None, h, bb], sQ, hb0, hb1)
+            else:
+                m_block, h, bb, _ = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid))
+                gQ = cute.local_tile(mQ[None, None, h, bb], (TILE_M, d), (m_block, 0))
+                load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ,
+                                                          single_stage=True)
             gK = cute.local_tile(mK[None, None, h, bb], (TILE_N, d), (None, 0))
             gV = cute.local_tile(mV[None, None, h, bb], (TILE_N, d), (None, 0))
             load_k, _, _ = copy_utils.tma_get_copy_fn(tma_k, 0, cute.make_layout(1), gK, sK)
@@ -431,6 +450,22 @@ class FlashAttentionA2AForward:
                     load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
         pipe_v.producer_tail(kv_state)
+
+    def q_halves_loader(self, tma_q, mQ_hb, sQ, hb0, hb1):
+        """cross_halves: a Q loader issuing the two 64-row TMA loads (row blocks hb0, hb1 of one head and
+        batch) into the warpgroups' halves of sQ, both on the tile's Q barrier (their bytes sum to tx_q)."""
+        d = self.head_dim
+        loads = []
+        for w, hb in ((0, hb0), (1, hb1)):
+            gQ = cute.local_tile(mQ_hb, (64, d), (hb, 0))
+            sQ_w = cute.local_tile(sQ, (64, d), (w, 0))
+            fn, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ_w, single_stage=True)
+            loads.append(fn)
+
+        def load_q(tma_bar_ptr):
+            loads[0](tma_bar_ptr=tma_bar_ptr)
+            loads[1](tma_bar_ptr=tma_bar_ptr)
+        return load_q
 
     @cute.jit
     def kv_block(self, is_first: cutlass.Constexpr[bool], softmax: OnlineSoftmax, acc_o, tOrP, tSrQ, tSrK,
@@ -627,7 +662,13 @@ class FlashAttentionA2AForward:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
-            m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid))
+            if const_expr(self.cross_halves):
+                hb0, hb1, h, bb, dest0, dest1 = tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles,
+                                                            Int32(grid), True)
+                hb = hb0 + wg * (hb1 - hb0)  # this warpgroup's 64-row block and its destination
+                dest = dest0 + wg * (dest1 - dest0)
+            else:
+                m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid))
             softmax = OnlineSoftmax.create(scale_log2, cute.size(layout_utils.reshape_acc_to_mn(acc_o), mode=[0]))
             pipe_q.consumer_wait(q_state)
             if const_expr(paced):
@@ -685,7 +726,10 @@ class FlashAttentionA2AForward:
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
             if const_expr(self.store == "st"):
                 cute.autovec_copy(tGsO, tGrO)
-            row0 = m_block * TILE_M + wg * 64
+            if const_expr(self.cross_halves):
+                row0 = hb * 64
+            else:
+                row0 = m_block * TILE_M + wg * 64
             if const_expr(self.mode == "local"):
                 base = mO.iterator + cute.assume(((Int64(bb) * seq + row0) * h_loc + h) * d, divby=self.vec)
                 row_stride = cute.assume(h_loc * d, divby=d)
@@ -694,7 +738,10 @@ class FlashAttentionA2AForward:
                 # division ptxas keeps in a register) changed its schedule (61 of 66 exponentials ahead of the
                 # PV wait instead of local's 51; tests/test_flash_attention.py checks they now agree).
                 rows_per_rank = n_mb_per_rank * TILE_M
-                drow = (m_block - dest * n_mb_per_rank) * TILE_M + wg * 64
+                if const_expr(self.cross_halves):
+                    drow = row0 - dest * rows_per_rank
+                else:
+                    drow = (m_block - dest * n_mb_per_rank) * TILE_M + wg * 64
                 peer = cute.make_ptr(self.dtype, out_ptrs[dest], cute.AddressSpace.gmem, assumed_align=16)
                 base = peer + cute.assume(((Int64(bb) * rows_per_rank + drow) * heads + rank * h_loc + h) * d,
                                           divby=self.vec)

@@ -258,7 +258,7 @@ def _run(rank, world, args):
 
     from calibrate.profile import resolve_profile
     from flash_a2a.a2a import SymmetricUlyssesA2A, nccl_post_a2a
-    from flash_a2a.api import FusedAttentionA2A, flash_attention, pre_attention_a2a
+    from flash_a2a.api import FUSED_WALK, FusedAttentionA2A, flash_attention, pre_attention_a2a
 
     torch.set_grad_enabled(False)
     base = _baselines()
@@ -274,7 +274,8 @@ def _run(rank, world, args):
             # pre-attention inputs: this rank's (b, S/P, H, d) slices of q, k, v
             xs = [torch.randn(1, s // world, h_loc * world, HEAD_DIM, device="cuda").to(torch.bfloat16)
                   for _ in range(3)]
-            fused_order = {"tile_order_world": world, "tile_order_rank": rank}  # this rank's fused tile walk
+            # this rank's fused tile walk, the fused kernel's default walk included (FUSED_WALK)
+            fused_order = {"tile_order_world": world, "tile_order_rank": rank, **FUSED_WALK}
             cols = {
                 "fa_ours": lambda: flash_attention(q, k, v, out=o_ours, **fused_order),
                 "fa_ours_plain_order": lambda: flash_attention(q, k, v, out=o_ours),
@@ -302,7 +303,7 @@ def _run(rank, world, args):
                     cols["fused_" + name] = (lambda kn: lambda: fused.launch(q, k, v, wait=False, **kn))(knobs)
                 else:
                     cols["fa_ours_" + name] = (lambda kn: lambda: flash_attention(
-                        q, k, v, out=o_ours, **fused_order, **kn))(knobs)
+                        q, k, v, out=o_ours, **{**fused_order, **kn}))(knobs)
             if "fa4" in base:
                 cols["fa4"] = lambda: base["fa4"](q, k, v)
                 cols["serial_fa4_nccl"] = lambda: nccl_post_a2a(base["fa4"](q, k, v))
@@ -324,6 +325,8 @@ def _run(rank, world, args):
                 pairs = {"fused_cc_minus_fused": ("fused", "fused_cc"),
                          "serial_ours_nccl_minus_fa_plain": ("fa_ours_plain_order", "serial_ours_nccl")}
                 pairs.update({f"{c}_minus_fa_ours": ("fa_ours", c) for c in fused_residual_columns(args.variants)})
+                pairs.update({f"fa_ours_{n}_minus_fa_ours": ("fa_ours", f"fa_ours_{n}")  # FA-only variants
+                              for n, kn in args.variants.items() if "mode" not in kn})
                 row["alternated"] = {key: alternated_excess(cols[a], cols[b], args.alternate_pairs, None)
                                      for key, (a, b) in pairs.items() if a in captured and b in captured}
             fused.settle(q)  # remote visibility of the sender-side fused runs, once after all replays
@@ -364,7 +367,8 @@ def _run(rank, world, args):
                     try:  # rank-local reading: a bad dump is recorded, not fatal
                         row[key] = summarize_spans(dump.cpu().numpy(), world=world, rank=rank,
                                                    n_mb_per_rank=s // world // 128, h_loc=h_loc, batch=1,
-                                                   grid=grid, bytes_per_row_half=64 * HEAD_DIM * 2)
+                                                   grid=grid, bytes_per_row_half=64 * HEAD_DIM * 2,
+                                                   cross_halves=FUSED_WALK["cross_halves"])
                     except ValueError as e:
                         row[key + "_error"] = str(e)
                 try:

@@ -66,7 +66,7 @@ def ensure_ready(flags: cute.Tensor, ready_mask: Int32, dest: Int32, world: Int3
 @cute.jit
 def await_all_ready(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns: Int64, errors: cute.Tensor,
                     lane: Int32, bidx: Int32, gate_barriers: cutlass.Constexpr, gate_threads: cutlass.Constexpr,
-                    poll: cutlass.Constexpr = True, sleep_ns: cutlass.Constexpr = 0):
+                    poll: cutlass.Constexpr = True, sleep_ns: cutlass.Constexpr = 0, max_world: cutlass.Constexpr = 32):
     """One warp per CTA, at its start: wait (bounded, acquire, system scope) until every receiver announced
     epoch ``e_next``, then arrive on each named barrier in ``gate_barriers`` (counted in ``gate_threads``,
     this warp included). Each storing warpgroup syncs on its barrier before its first tile's stores, with
@@ -74,11 +74,17 @@ def await_all_ready(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns:
     CTA-scope ordering); later tiles count without this warp, so the loop holds no poll or wait of its own.
     By the first epilogue, a whole Q-loop later, the arrival has long happened. On timeout the error word is
     set and the warp still arrives, so nothing hangs. ``sleep_ns``: back-off between polls; ``poll=False``
-    (a benchmark control pricing the wait, never for real output) arrives without waiting."""
+    (a benchmark control pricing the wait, never for real output) arrives without waiting. ``max_world``: a
+    compile-time bound on ``world`` (the kernel's destination count): lane j waits for ranks j, j + 32, ...
+    in an unrolled loop. (A run-time loop over the ranks here made ptxas move a 64-bit operand of the
+    producer warp's TMA loads into vector registers, 8 R2UR per KV block on the producer's path, which cost
+    ~0.65% of the kernel's time on H200, a lasting cost, not the wait: fused_ready_spans_9be24f1.json.)"""
     if const_expr(poll):
-        for j in cutlass.range(lane, world, 32, unroll=1):
-            fl.wait_geq(flags, world + j, e_next, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), bidx, "sys",
-                        sleep_ns)
+        for jj in cutlass.range_constexpr((max_world + 31) // 32):
+            j = lane + 32 * jj
+            if j < world:
+                fl.wait_geq(flags, world + j, e_next, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), bidx, "sys",
+                            sleep_ns)
     cute.arch.sync_warp()
     for b in cutlass.range_constexpr(len(gate_barriers)):
         cute.arch.barrier_arrive(barrier_id=gate_barriers[b], number_of_threads=gate_threads)

@@ -86,6 +86,43 @@ def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid):
     return dest * n_mb_per_rank + mb_in_rank, rest % h_loc, rest // h_loc, dest
 
 
+def tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross: bool = False):
+    """Tile index t -> (hb0, hb1, local head, batch, dest0, dest1): the 64-row blocks (of the S rows) that the
+    two MMA warpgroups compute, and their destination ranks. ``cross=False``: the halves of ``tile_coords``'s
+    128-row block. ``cross=True`` (the "crossed" walk):
+    - before the local tail, tile_coords's first stretch (destination fastest) and its remote stretch are
+      interleaved (a remote-stretch tile every m-th position), so the rounds share the remote tiles instead
+      of the round before the tail holding all of them;
+    - in the first stretch the second warpgroup's half is the same row block of the next rank's slice, so
+      the P tiles of a group still cover its 2P halves once, but each tile sends at most one half (16 KiB at
+      d = 128) to a peer: at P = 2 every SM issues 16 KiB per round boundary, under the ~20 KiB per SM the
+      H200 holds outstanding without backpressure (calibration knee), instead of half the SMs 32 KiB;
+    - the local tail is tile_coords's. The first warpgroup's half is tile_coords's in both walks.
+    Works on Python ints and DSL Int32 (``cross`` is a compile-time bool)."""
+    if not cross:
+        m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid)
+        return 2 * m_block, 2 * m_block + 1, h, bb, dest, dest
+    groups = n_tiles // world
+    k = local_tail(n_tiles, world, grid)
+    end1 = (groups - k) * world  # tile_coords's first stretch: [0, end1); its remote stretch: [end1, n1)
+    n1 = n_tiles - k
+    n_rr = n1 - end1
+    # Remote-stretch tiles at every m-th position of [0, n_rr * m), m = n1 // n_rr (32-bit math: a
+    # Bresenham spread needs 64-bit products, and a 64-bit division here moved ptxas's mainloop schedule).
+    m = n1 // cutlass_max(n_rr, 1)
+    p = cutlass_min(t, n1 - 1)
+    span = n_rr * m
+    is_rr = cutlass_min(1, cutlass_max(0, span - p)) * (1 - cutlass_min(1, (p + 1) % cutlass_max(m, 1)))
+    before = cutlass_min(p, span) // cutlass_max(m, 1)  # remote-stretch tiles before position p
+    in_tail = cutlass_min(1, cutlass_max(0, t - n1 + 1))
+    orig = in_tail * t + (1 - in_tail) * (is_rr * (end1 + before) + (1 - is_rr) * (p - before))
+    m_block, h, bb, dest = tile_coords(orig, world, n_mb_per_rank, h_loc, rank, n_tiles, grid)
+    crossed = (1 - in_tail) * (1 - is_rr)
+    dest1 = (dest + crossed) % world
+    hb1 = 2 * (dest1 * n_mb_per_rank + (m_block - dest * n_mb_per_rank)) + 1
+    return 2 * m_block, hb1, h, bb, dest, dest1
+
+
 def post_tile(t, n_mb, h_loc, rank, seq, world, tile_m):
     """The post-attention scatter's tile t -> (source row0, source head, batch, destination rank,
     destination row0, destination head); the input is (b, S, H/P, d), m_block fastest. Ints or DSL Int32."""

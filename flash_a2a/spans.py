@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flash_a2a.mapping import tile_coords
+from flash_a2a.mapping import tile_halves
 
 DEFAULT_CLOCK_GHZ = 1.98  # SM clock under load on the H200 (measured); used when a dump cannot calibrate it
 
@@ -26,9 +26,11 @@ def _pct(x: np.ndarray) -> dict:
 
 
 def summarize_spans(spans, *, world: int, rank: int, n_mb_per_rank: int, h_loc: int, batch: int, grid: int,
-                    bytes_per_row_half: int, warpgroups: int = 2) -> dict:
+                    bytes_per_row_half: int, warpgroups: int = 2, cross_halves: bool = False) -> dict:
     """Summary of one instrumented launch. ``spans``: (n_tiles * warpgroups, 4) int64 array (numpy or a CPU
-    tensor); ``bytes_per_row_half``: bytes one warpgroup stores per tile (64 rows x d x element size)."""
+    tensor); ``bytes_per_row_half``: bytes one warpgroup stores per tile (64 rows x d x element size);
+    ``cross_halves``: the launch's tile walk (flash_a2a.mapping.tile_halves), which gives each row's
+    destination."""
     a = np.asarray(spans, dtype=np.int64)
     n_tiles = n_mb_per_rank * world * h_loc * batch
     if a.ndim != 2 or a.shape[1] != 4 or a.shape[0] < n_tiles * warpgroups:
@@ -41,9 +43,12 @@ def summarize_spans(spans, *, world: int, rank: int, n_mb_per_rank: int, h_loc: 
     long = (gt1 - gt0) >= 2000
     clock = float(np.median((ck1 - ck0)[long] / (gt1 - gt0)[long])) if long.sum() >= 8 else DEFAULT_CLOCK_GHZ
     issue_us = (ck1 - ck0) / clock / 1e3
+    if warpgroups != 2:
+        raise ValueError("the kernel has two MMA warpgroups per tile (warpgroups=2)")
     tiles = np.repeat(np.arange(n_tiles), warpgroups)
-    dest = np.array([tile_coords(int(t), world, n_mb_per_rank, h_loc, rank, n_tiles, grid)[3] for t in range(n_tiles)])
-    remote = np.repeat(dest != rank, warpgroups)
+    dest = np.array([tile_halves(int(t), world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross_halves)[4:]
+                     for t in range(n_tiles)]).reshape(-1)  # row t * 2 + wg
+    remote = dest != rank
     rounds = tiles // grid
     t_begin = gt0.min()
     kernel_last_store_end = float(gt1.max() - t_begin) / 1e3

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flash_a2a.mapping import (local_tail, post_tile, pre_destination, pre_tile, reference_pre_a2a, tile_coords,
+                               tile_halves,
                                 check_ulysses_shapes, destination, reference_post_a2a)
 
 
@@ -135,3 +136,73 @@ def test_reference_pre_and_post_all_to_alls_are_inverse():
     ins = [torch.randn(b, s // world, h_loc * world, d) for _ in range(world)]
     back = reference_post_a2a(reference_pre_a2a(ins))
     assert all(torch.equal(x, y) for x, y in zip(back, ins))
+
+
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_half_walk_covers_every_half_and_lands_like_the_reference(world, cross):
+    """tile_halves (both walks), run on CPU tensors with random shapes and grids: every 64-row block of every
+    (head, batch) is computed once, by the warpgroup tile_halves names, and lands where the A2A puts it."""
+    rng = random.Random()
+    for _ in range(20):
+        b, h_loc, d = rng.randint(1, 2), rng.randint(1, 3), 2
+        n_mb = rng.randint(1, 4)
+        s = world * n_mb * 128
+        rows = s // world
+        n_tiles = n_mb * world * h_loc * b
+        grid = rng.randint(1, n_tiles + 2)
+        outs = [torch.randn(b, s, h_loc, d) for _ in range(world)]
+        got = [torch.full((b, rows, h_loc * world, d), float("nan")) for _ in range(world)]
+        for rank in range(world):
+            seen = set()
+            for t in range(n_tiles):
+                hb0, hb1, h, bb, dest0, dest1 = tile_halves(t, world, n_mb, h_loc, rank, n_tiles, grid, cross)
+                if not cross:
+                    assert (hb0 // 2, h, bb, dest0) == tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid)
+                for hb, dest in ((hb0, dest0), (hb1, dest1)):
+                    seen.add((hb, h, bb))
+                    row0 = hb * 64
+                    assert dest == destination(row0, h, rank, s, h_loc * world, world)[0]
+                    got[dest][bb, row0 - dest * rows:row0 - dest * rows + 64, rank * h_loc + h] = \
+                        outs[rank][bb, row0:row0 + 64, h]
+            assert len(seen) == 2 * n_tiles
+        for j, ref in enumerate(reference_post_a2a(outs)):
+            assert torch.equal(got[j], ref)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_crossed_walk_keeps_the_local_tail_and_halves_the_bursts(world):
+    """The crossed walk ends on the same local tiles as tile_coords; before them, at P = 2, every tile but
+    the remote-stretch ones sends exactly one half to the peer; and at the H200's shapes (grid 132) no round
+    sends more than the old walk's worst round, and 12 heads/8K's rounds stay under Q(132) = 2.47 MiB."""
+    rng = random.Random()
+    for _ in range(100):
+        n_mb, h_loc, b = rng.randint(1, 8), rng.randint(1, 4), rng.randint(1, 2)
+        n_tiles = n_mb * world * h_loc * b
+        grid, rank = rng.randint(1, 2 * n_tiles), rng.randrange(world)
+        k = local_tail(n_tiles, world, grid)
+        walk = [tile_halves(t, world, n_mb, h_loc, rank, n_tiles, grid, True) for t in range(n_tiles)]
+        assert all(w[4] == w[5] == rank for w in walk[n_tiles - k:])
+        if world == 2:
+            both = sum(w[4] != rank and w[5] != rank for w in walk[:n_tiles - k])
+            assert both == k  # the remote stretch: one tile per tail group
+            assert all((w[4] != rank) + (w[5] != rank) >= 1 for w in walk[:n_tiles - k])
+
+    def per_round(walk_fn, n_tiles, grid, rank):
+        out = {}
+        for t in range(n_tiles):
+            dests = walk_fn(t)
+            out[t // grid] = out.get(t // grid, 0) + sum(dd != rank for dd in dests)
+        return out
+
+    if world == 2:
+        for n_mb, h_loc in ((32, 3), (64, 3), (32, 12), (128, 12)):  # M = 8K/16K (x 3, 12 heads), 32K
+            n_tiles = n_mb * 2 * h_loc
+            for rank in (0, 1):
+                new = per_round(lambda t: tile_halves(t, 2, n_mb, h_loc, rank, n_tiles, 132, True)[4:], n_tiles,
+                                132, rank)
+                old = per_round(lambda t: [tile_coords(t, 2, n_mb, h_loc, rank, n_tiles, 132)[3]] * 2, n_tiles,
+                                132, rank)
+                assert max(new.values()) <= max(old.values()), (n_mb, h_loc, new, old)
+                if (n_mb, h_loc) == (32, 12):
+                    assert max(new.values()) * 16384 < 2.47 * 2 ** 20, new

@@ -154,6 +154,28 @@ def test_fused_mainloop_schedules_like_local(tmp_path):
     assert windows["piggyback"] == windows["local"] and windows["completion_coupled"] == windows["local"], windows
 
 
+def test_crossed_walk_and_ready_wait_keep_the_schedules(tmp_path):
+    """The crossed tile walk (two 64-row Q loads, per-warpgroup destinations) keeps the mainloop's schedule,
+    and the fused kernel's ready wait leaves the TMA producer's KV loop as the local kernel's: no R2UR in it.
+    (A run-time loop over the ranks in the ready wait once put a 64-bit operand of the producer's TMA loads
+    in vector registers, 8 R2UR per KV block, and cost ~0.65% of the kernel's time on H200; a 64-bit
+    division in the walk once moved the mainloop to 61 of 66 exponentials ahead of the PV wait.)"""
+    from cute_kernels.compile import sass_loop, softmax_overlap
+
+    texts = {name: _sass(_compile(tmp_path / name, head_dim=128, **knobs)) for name, knobs in (
+        ("local", {"mode": "local"}), ("local_cross", {"mode": "local", "cross_halves": True}),
+        ("fused", {"mode": "piggyback", "n_dst": 2}),
+        ("fused_cross", {"mode": "piggyback", "n_dst": 2, "cross_halves": True}))}
+    windows = {name: softmax_overlap(t) for name, t in texts.items()}
+    assert len(set(map(tuple, windows.values()))) == 1, windows
+    for name, text in texts.items():
+        producer = sass_loop(text, lambda body: sum("UTMALDG" in x for x in body) == 4)
+        assert producer is not None, name
+        assert not any("R2UR" in x for x in producer), (name, [x for x in producer if "R2UR" in x])
+        if name.endswith("cross"):
+            assert text.count("UTMALDG") > texts[name[:-6]].count("UTMALDG"), "two Q loads per tile"
+
+
 def test_pin_softmax_counts():
     """pin_softmax maps to the number of pinned exponentials per thread; ints are counts (1 is one, not True)."""
     from flash_a2a.attention import FlashAttentionA2AForward
@@ -219,6 +241,9 @@ def test_tile_order_and_mainloop_variants_agree():
     base = flash_attention(q, k, v)
     assert torch.equal(flash_attention(q, k, v, tile_order_world=2), base), "tile order must not change O"
     assert torch.equal(flash_attention(q, k, v, tile_order_world=2, tile_order_rank=1), base)
+    for rank in (0, 1):  # the crossed walk: per-warpgroup row blocks of both ranks' slices
+        assert torch.equal(flash_attention(q, k, v, tile_order_world=2, tile_order_rank=rank, cross_halves=True),
+                           base)
     for variant in ({"lag_v": True}, {"sync_first_block": False}, {"persistent": False}, {"pin_softmax": True},
                     {"pin_softmax": False, "rescale_before_pv": False}, {"pin_softmax": 40}, {"p_first": True},
                     {"store": "bulk"}, {"store": "bulk", "pin_softmax": 34}, {"store": "tma"},
@@ -252,7 +277,10 @@ def _worker(rank, world, init_file, path):
             for mode, knobs in (("piggyback", {}), ("completion_coupled", {}), ("piggyback", {"store": "bulk"}),
                                 ("completion_coupled", {"store": "bulk"}), ("piggyback", {"store": "tma"}),
                                 ("completion_coupled", {"store": "tma"}), ("piggyback", {"store": "paced"}),
-                                ("piggyback", {"store": "paced", "pace_kv": 2})):
+                                ("piggyback", {"store": "paced", "pace_kv": 2}),
+                                ("piggyback", {"cross_halves": True}), ("completion_coupled", {"cross_halves": True}),
+                                ("piggyback", {"cross_halves": True, "store": "paced"}),
+                                ("piggyback", {"cross_halves": False})):
                 for _ in range(2):
                     q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
                     local = flash_attention(q, k, v)

@@ -70,6 +70,13 @@ for stage in $stages; do
         pre_a2a_symm cudnn a2a_nccl a2a_symm serial_ours_nccl fused_cc fused_visible fa4 serial_fa4_nccl \
         --variants '{"self":{"mode":"piggyback","self_store":true},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_gate":{"mode":"piggyback","self_store":true,"signal":"gate_only"},"self_delay":{"mode":"piggyback","self_store":true,"ready_delay_ns":50000},"delay":{"mode":"piggyback","ready_delay_ns":50000},"done":{"mode":"piggyback","signal":"done"}}' \
         2>&1 | tee "$OUT/fareadyspans.log" ;;
+    fawalk)
+      # The crossed tile walk (flash_a2a.mapping.tile_halves) beside the default walk at M = $FADIAG_SEQ: fused and
+      # self-store columns of both, FA-only in the crossed walk, and the ready-wait control ("done").
+      FADIAG_SEQ=${FADIAG_SEQ:-8192 16384 32768} protocol_diag fused_walk fawalk '{"cross":{"mode":"piggyback","cross_halves":true},"self":{"mode":"piggyback","self_store":true},"self_cross":{"mode":"piggyback","self_store":true,"cross_halves":true},"done":{"mode":"piggyback","signal":"done"},"xfa":{"cross_halves":true}}' ;;
+    fagputests)
+      timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -x -rs -m "gpu or multigpu" tests/test_flash_attention.py \
+        tests/test_flash_a2a_scatter.py 2>&1 | tee "$OUT/pytest_fa_gpu.log" ;;
     fapaced)
       # store="paced" (a tile's stores spread over the next tile's Q-loop) beside the default burst epilogue,
       # at M = $FADIAG_SEQ: pace 1 and 2 KV blocks per vector, pin_softmax 34, and the self-store control of
