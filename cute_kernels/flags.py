@@ -44,18 +44,25 @@ def nanosleep(ns, *, loc=None, ip=None) -> None:
 @cute.jit
 def wait_geq(flags: cute.Tensor, index: Int32, target, timeout_ns: Int64,
              errors: cute.Tensor, code: Int32, block: Int32, scope: cutlass.Constexpr = "gpu",
-             sleep_ns: cutlass.Constexpr = 0) -> Int32:
+             sleep_ns: cutlass.Constexpr = 0, relaxed_poll: cutlass.Constexpr = False) -> Int32:
     """Spin (acquire loads) until ``flags[index] >= target`` or the deadline passes; returns 1 if met.
     ``flags`` holds Int32 or Int64 words (``target`` is converted to that type). ``sleep_ns`` > 0 backs off
-    that long between polls (fewer loads on the flag's line while many waiters poll it)."""
+    that long between polls (fewer loads on the flag's line while many waiters poll it). ``relaxed_poll``:
+    relaxed loads, then one acquire fence at ``scope`` (the same ordering, without an acquire per poll)."""
     word = flags.element_type
     goal = word(target)
+    sem = "relaxed" if relaxed_poll else "acquire"
     deadline = cute.arch.globaltimer() + timeout_ns
-    seen = cute.arch.load(elem_ptr(flags, index), word, sem="acquire", scope=scope)
+    seen = cute.arch.load(elem_ptr(flags, index), word, sem=sem, scope=scope)
     while seen < goal and cute.arch.globaltimer() < deadline:
         if const_expr(sleep_ns > 0):
             nanosleep(sleep_ns)
-        seen = cute.arch.load(elem_ptr(flags, index), word, sem="acquire", scope=scope)
+        seen = cute.arch.load(elem_ptr(flags, index), word, sem=sem, scope=scope)
+    if const_expr(relaxed_poll):
+        if const_expr(scope == "sys"):
+            cute.arch.fence_acq_rel_sys()
+        else:
+            cute.arch.fence_acq_rel_gpu()
     met = Int32(1)
     if seen < goal:
         record_error(errors, code, block, Int32(seen))

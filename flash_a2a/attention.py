@@ -44,7 +44,7 @@ from quack import copy_utils, layout_utils, sm90_utils
 from quack.cute_dsl_utils import ParamsBase
 
 from cute_kernels.flags import nanosleep
-from flash_a2a.epoch import announce_ready, await_all_ready, publish_done
+from flash_a2a.epoch import announce_ready, await_all_ready, await_ready_here, publish_done
 from flash_a2a.mapping import tile_coords, tile_halves  # the kernel's tile walks, shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
@@ -56,6 +56,7 @@ WG_THREADS = 128
 EPILOGUE_BARRIER = 1  # named barriers 1, 2: one per MMA warpgroup (0 is __syncthreads)
 SCHEDULER_BARRIER = 4  # 4, 5: warpgroup ping-pong on GEMM issue
 SIGNALS = (True, False, "nofence", "done", "done_nofence", "gate_only")
+READY_WAITS = ("warp", "warp_relaxed", "epilogue")
 DONE_BARRIER = 6  # fused modes: the MMA warpgroups' last stores and the announcing warp, before publish_done
 DONE_THREADS = (TILE_M // 64) * WG_THREADS + 32
 
@@ -132,7 +133,7 @@ class FlashAttentionA2AForward:
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
-                 cross_halves: bool = False):
+                 cross_halves: bool = False, ready_wait: str = "warp"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -199,6 +200,14 @@ class FlashAttentionA2AForward:
         if not (isinstance(ready_delay_ns, int) and 0 <= ready_delay_ns <= 10_000_000):
             raise ValueError(f"ready_delay_ns must be an int in 0..10000000, got {ready_delay_ns!r}")
         self.ready_delay_ns = ready_delay_ns
+        # ready_wait (benchmark alternatives of the ready wait, same guarantee): "warp", an idle warp of the
+        # producer warpgroup polls with acquire loads from the kernel's start and arrives on the storing
+        # warpgroups' gate (the default); "warp_relaxed", the same with relaxed polls and one acquire fence;
+        # "epilogue", no waiting warp: thread 0 of each storing warpgroup waits before its first tile's stores
+        # (the flag is long set by then), its epilogue barrier ordering the others after it.
+        if ready_wait not in READY_WAITS:
+            raise ValueError(f"ready_wait must be one of {READY_WAITS}, got {ready_wait!r}")
+        self.ready_wait = ready_wait
         self.done_fence = fused and signal in (True, "done", "gate_only")
         self.dtype, self.head_dim, self.mode, self.num_stages = dtype, head_dim, mode, num_stages
         self.instrument = instrument
@@ -380,9 +389,11 @@ class FlashAttentionA2AForward:
                         if const_expr(self.ready_delay_ns > 0):
                             while cute.arch.globaltimer() - t_start < Int64(self.ready_delay_ns):
                                 nanosleep(1000)
-                        await_all_ready(flags, world, e_next, timeout_ns, errors, tidx % 32, bidx,
-                                        [EPILOGUE_BARRIER + wg for wg in range(self.num_mma_wg)],
-                                        WG_THREADS + 32, self.ready_poll, self.ready_poll_ns, self.n_dst)
+                        if const_expr(self.ready_wait != "epilogue"):
+                            await_all_ready(flags, world, e_next, timeout_ns, errors, tidx % 32, bidx,
+                                            [EPILOGUE_BARRIER + wg for wg in range(self.num_mma_wg)],
+                                            WG_THREADS + 32, self.ready_poll, self.ready_poll_ns, self.n_dst,
+                                            self.ready_wait == "warp_relaxed")
                         if const_expr(self.instrument):
                             if tidx % 32 == 0:  # the CTA's ready row, after the per-tile rows
                                 row = n_tiles * self.num_mma_wg + bidx
@@ -701,7 +712,12 @@ class FlashAttentionA2AForward:
             if const_expr(self.store == "tma"):
                 if ltid == 0:  # the TMA engine has read the previous tile's half out of sO
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if const_expr(self.ready_on):
+            if const_expr(self.ready_on and self.ready_wait == "epilogue"):
+                if t == Int32(bidx):
+                    if ltid == 0:
+                        await_ready_here(flags, world, e_next, timeout_ns, errors, Int32(bidx), self.n_dst)
+                cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)  # sO rows free again
+            elif const_expr(self.ready_on):
                 # The ready gate: on this CTA's first tile, the warp that waited for every receiver's ready
                 # flag also arrives on this barrier (await_all_ready; the barrier's first use in the kernel, so
                 # its count is 160 there and 128 after), so no store goes out before the announcements. No

@@ -66,7 +66,8 @@ def ensure_ready(flags: cute.Tensor, ready_mask: Int32, dest: Int32, world: Int3
 @cute.jit
 def await_all_ready(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns: Int64, errors: cute.Tensor,
                     lane: Int32, bidx: Int32, gate_barriers: cutlass.Constexpr, gate_threads: cutlass.Constexpr,
-                    poll: cutlass.Constexpr = True, sleep_ns: cutlass.Constexpr = 0, max_world: cutlass.Constexpr = 32):
+                    poll: cutlass.Constexpr = True, sleep_ns: cutlass.Constexpr = 0, max_world: cutlass.Constexpr = 32,
+                    relaxed_poll: cutlass.Constexpr = False):
     """One warp per CTA, at its start: wait (bounded, acquire, system scope) until every receiver announced
     epoch ``e_next``, then arrive on each named barrier in ``gate_barriers`` (counted in ``gate_threads``,
     this warp included). Each storing warpgroup syncs on its barrier before its first tile's stores, with
@@ -84,7 +85,7 @@ def await_all_ready(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns:
             j = lane + 32 * jj
             if j < world:
                 fl.wait_geq(flags, world + j, e_next, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), bidx, "sys",
-                            sleep_ns)
+                            sleep_ns, relaxed_poll)
     cute.arch.sync_warp()
     for b in cutlass.range_constexpr(len(gate_barriers)):
         cute.arch.barrier_arrive(barrier_id=gate_barriers[b], number_of_threads=gate_threads)
@@ -110,3 +111,14 @@ def publish_done(flag_ptrs: cute.Tensor, counter: cute.Tensor, epoch: cute.Tenso
         if arrived == grid - 1:
             epoch[0] = e_next
             counter[0] = Int32(0)
+
+
+@cute.jit
+def await_ready_here(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns: Int64, errors: cute.Tensor,
+                     bidx: Int32, max_world: cutlass.Constexpr):
+    """The storing warpgroup's own ready wait (one thread; a benchmark alternative to await_all_ready's warp):
+    bounded acquire waits for every receiver's epoch ``e_next``; the caller's barrier then orders the
+    warpgroup's stores after them."""
+    for j in cutlass.range_constexpr(max_world):
+        if j < world:
+            fl.wait_geq(flags, world + j, e_next, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), bidx, "sys")
