@@ -56,7 +56,7 @@ WG_THREADS = 128
 EPILOGUE_BARRIER = 1  # named barriers 1, 2: one per MMA warpgroup (0 is __syncthreads)
 SCHEDULER_BARRIER = 4  # 4, 5: warpgroup ping-pong on GEMM issue
 SIGNALS = (True, False, "nofence", "done", "done_nofence", "gate_only")
-READY_WAITS = ("warp", "warp_relaxed", "epilogue")
+READY_WAITS = ("warp", "warp_acquire", "epilogue")
 DONE_BARRIER = 6  # fused modes: the MMA warpgroups' last stores and the announcing warp, before publish_done
 DONE_THREADS = (TILE_M // 64) * WG_THREADS + 32
 
@@ -200,11 +200,13 @@ class FlashAttentionA2AForward:
         if not (isinstance(ready_delay_ns, int) and 0 <= ready_delay_ns <= 10_000_000):
             raise ValueError(f"ready_delay_ns must be an int in 0..10000000, got {ready_delay_ns!r}")
         self.ready_delay_ns = ready_delay_ns
-        # ready_wait (benchmark alternatives of the ready wait, same guarantee): "warp", an idle warp of the
-        # producer warpgroup polls with acquire loads from the kernel's start and arrives on the storing
-        # warpgroups' gate (the default); "warp_relaxed", the same with relaxed polls and one acquire fence;
-        # "epilogue", no waiting warp: thread 0 of each storing warpgroup waits before its first tile's stores
-        # (the flag is long set by then), its epilogue barrier ordering the others after it.
+        # ready_wait (where the ready wait runs; the same guarantee): "warp" (the default), an idle warp of the
+        # producer warpgroup polls with relaxed system-scope loads from the kernel's start, then one acquire
+        # fence, and arrives on the storing warpgroups' gate; "warp_acquire", the same with an acquire load per
+        # poll (an L1 invalidation each, CCTL.IVALL): measured ~0.6% slower over the whole kernel at every
+        # shape on H200, the ready wait's whole cost (flash_a2a_variants/fused_ready_wait_a8f9d40.json);
+        # "epilogue", no waiting warp: thread 0 of each storing warpgroup waits (acquire) before its first
+        # tile's stores, its epilogue barrier ordering the others after it (as slow as "warp_acquire").
         if ready_wait not in READY_WAITS:
             raise ValueError(f"ready_wait must be one of {READY_WAITS}, got {ready_wait!r}")
         self.ready_wait = ready_wait
@@ -393,7 +395,7 @@ class FlashAttentionA2AForward:
                             await_all_ready(flags, world, e_next, timeout_ns, errors, tidx % 32, bidx,
                                             [EPILOGUE_BARRIER + wg for wg in range(self.num_mma_wg)],
                                             WG_THREADS + 32, self.ready_poll, self.ready_poll_ns, self.n_dst,
-                                            self.ready_wait == "warp_relaxed")
+                                            self.ready_wait == "warp")
                         if const_expr(self.instrument):
                             if tidx % 32 == 0:  # the CTA's ready row, after the per-tile rows
                                 row = n_tiles * self.num_mma_wg + bidx

@@ -68,11 +68,12 @@ def await_all_ready(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns:
                     lane: Int32, bidx: Int32, gate_barriers: cutlass.Constexpr, gate_threads: cutlass.Constexpr,
                     poll: cutlass.Constexpr = True, sleep_ns: cutlass.Constexpr = 0, max_world: cutlass.Constexpr = 32,
                     relaxed_poll: cutlass.Constexpr = False):
-    """One warp per CTA, at its start: wait (bounded, acquire, system scope) until every receiver announced
+    """One warp per CTA, at its start: wait (bounded, system scope) until every receiver announced
     epoch ``e_next``, then arrive on each named barrier in ``gate_barriers`` (counted in ``gate_threads``,
-    this warp included). Each storing warpgroup syncs on its barrier before its first tile's stores, with
-    this warp counted, so those stores follow the receivers' announcements (acquire here, then the barrier's
-    CTA-scope ordering); later tiles count without this warp, so the loop holds no poll or wait of its own.
+    this warp included). ``relaxed_poll``: relaxed polls, then one acquire fence (an acquire load per poll
+    invalidates the SM's L1 each time, and cost the co-running mainloop ~0.6%). Each storing warpgroup syncs
+    on its barrier before its first tile's stores, with this warp counted, so those stores follow the
+    receivers' announcements (acquire here, then the barrier's CTA-scope ordering); later tiles count without this warp, so the loop holds no poll or wait of its own.
     By the first epilogue, a whole Q-loop later, the arrival has long happened. On timeout the error word is
     set and the warp still arrives, so nothing hangs. ``sleep_ns``: back-off between polls; ``poll=False``
     (a benchmark control pricing the wait, never for real output) arrives without waiting. ``max_world``: a

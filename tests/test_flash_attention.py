@@ -281,7 +281,7 @@ def _worker(rank, world, init_file, path):
                                 ("piggyback", {"cross_halves": True}), ("completion_coupled", {"cross_halves": True}),
                                 ("piggyback", {"cross_halves": True, "store": "paced"}),
                                 ("piggyback", {"cross_halves": False}), ("piggyback", {"ready_wait": "epilogue"}),
-                                ("piggyback", {"ready_wait": "warp_relaxed"})):
+                                ("piggyback", {"ready_wait": "warp_acquire"})):
                 for _ in range(2):
                     q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
                     local = flash_attention(q, k, v)

@@ -75,9 +75,9 @@ for stage in $stages; do
       # self-store columns of both, FA-only in the crossed walk, and the ready-wait control ("done").
       FADIAG_SEQ=${FADIAG_SEQ:-8192 16384 32768} protocol_diag fused_walk fawalk '{"cross":{"mode":"piggyback","cross_halves":true},"self":{"mode":"piggyback","self_store":true},"self_cross":{"mode":"piggyback","self_store":true,"cross_halves":true},"done":{"mode":"piggyback","signal":"done"},"xfa":{"cross_halves":true}}' ;;
     fareadywait)
-      # Where the ready wait runs (ready_wait): the idle warp with acquire polls (default), with relaxed polls and
-      # one fence, or thread 0 of each storing warpgroup before its first stores; beside no ready wait ("done").
-      FADIAG_SEQ=${FADIAG_SEQ:-8192 16384 32768} protocol_diag fused_ready_wait fareadywait '{"epi":{"mode":"piggyback","ready_wait":"epilogue"},"relaxed":{"mode":"piggyback","ready_wait":"warp_relaxed"},"done":{"mode":"piggyback","signal":"done"},"self":{"mode":"piggyback","self_store":true},"self_epi":{"mode":"piggyback","self_store":true,"ready_wait":"epilogue"}}' ;;
+      # Where the ready wait runs (ready_wait): the idle warp with relaxed polls and one fence (default), with
+      # acquire polls, or thread 0 of each storing warpgroup before its first stores; beside no ready wait ("done").
+      FADIAG_SEQ=${FADIAG_SEQ:-8192 16384 32768} protocol_diag fused_ready_wait fareadywait '{"epi":{"mode":"piggyback","ready_wait":"epilogue"},"acquire":{"mode":"piggyback","ready_wait":"warp_acquire"},"done":{"mode":"piggyback","signal":"done"},"self":{"mode":"piggyback","self_store":true},"self_epi":{"mode":"piggyback","self_store":true,"ready_wait":"epilogue"}}' ;;
     fagputests)
       timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -x -rs -m "gpu or multigpu" tests/test_flash_attention.py \
         tests/test_flash_a2a_scatter.py 2>&1 | tee "$OUT/pytest_fa_gpu.log" ;;
