@@ -91,16 +91,17 @@ def test_pinned_softmax_overlaps_the_pv_gemm_in_sass(tmp_path, pin, at_least):
 
 def test_unsignaled_control_has_no_flag_protocol(tmp_path):
     """Each ``signal`` value compiles to exactly its part of the flag protocol: False none; True the ready
-    polls (one warp, an mbarrier for the storing warpgroups), the completion fence and the data-flag adds;
-    the controls leave out the fence, the ready wait, or both."""
+    polls (one warp: relaxed loads, then one acquire fence; a named barrier for the storing warpgroups), the
+    completion fence and the data-flag adds; the controls leave out the completion fence, the ready wait,
+    or both."""
     from flash_a2a.attention import FlashAttentionA2AForward
 
-    # (completion fences, ready polls, data-flag adds) each signal value must compile to
-    expect = {False: (0, 0, 0), True: (1, 1, 1), "nofence": (0, 1, 1), "done": (1, 0, 1), "done_nofence": (0, 0, 1),
+    # (system fences: the ready wait's + the completion fence, ready polls, data-flag adds) per signal value
+    expect = {False: (0, 0, 0), True: (2, 1, 1), "nofence": (1, 1, 1), "done": (1, 0, 1), "done_nofence": (0, 0, 1),
               "gate_only": (1, 0, 1)}
     for signal, (want_fences, want_polls, want_adds) in expect.items():
         c = _compile(tmp_path / str(signal), head_dim=128, mode="piggyback", signal=signal)
-        fences, polls = c.ptx_count(r"fence\.acq_rel\.sys"), c.ptx_count(r"ld\.acquire\.sys")
+        fences, polls = c.ptx_count(r"fence\.acq_rel\.sys"), c.ptx_count(r"ld\.(relaxed|acquire)\.sys")
         adds = c.ptx_count(r"red\.relaxed\.sys(\.global)?\.add\.u64")
         got = (fences, min(polls, 1), min(adds, 1))
         assert got == (want_fences, want_polls, want_adds), (signal, fences, polls, adds)
@@ -111,7 +112,15 @@ def test_unsignaled_control_has_no_flag_protocol(tmp_path):
     # the ready-poll back-off: a nanosleep in the waiting warp's loop, none by default (checked above: the
     # default compiled without one)
     c = _compile(tmp_path / "sleep", head_dim=128, mode="piggyback", ready_poll_ns=500)
-    assert c.ptx_count(r"nanosleep\.u32") == 1 and c.ptx_count(r"ld\.acquire\.sys") >= 1
+    assert c.ptx_count(r"nanosleep\.u32") == 1 and c.ptx_count(r"ld\.relaxed\.sys") >= 1
+    # the ready wait's placements: an acquire per poll ("warp_acquire", no fence after), or the storing
+    # warpgroups' own acquire waits ("epilogue")
+    for where in ("warp_acquire", "epilogue"):
+        c = _compile(tmp_path / where, head_dim=128, mode="piggyback", ready_wait=where)
+        assert c.ptx_count(r"ld\.acquire\.sys") >= 1 and c.ptx_count(r"ld\.relaxed\.sys") == 0, where
+        assert c.ptx_count(r"fence\.acq_rel\.sys") == 1, where
+    with pytest.raises(ValueError, match="ready_wait"):
+        FlashAttentionA2AForward(head_dim=128, mode="piggyback", ready_wait="anywhere")
     with pytest.raises(ValueError, match="ready_poll_ns"):
         FlashAttentionA2AForward(head_dim=128, mode="piggyback", ready_poll_ns=-1)
 
