@@ -83,9 +83,10 @@ for stage in $stages; do
         tests/test_flash_a2a_scatter.py 2>&1 | tee "$OUT/pytest_fa_gpu.log" ;;
     fapaced)
       # store="paced" (a tile's stores spread over the next tile's Q-loop) beside the default burst epilogue,
-      # at M = $FADIAG_SEQ: pace 1 and 2 KV blocks per vector, pin_softmax 34, and the self-store control of
+      # at M = $FADIAG_SEQ: pace 1 and 2 KV blocks per vector, pin_softmax 34 and 40 (53 of 66 exponentials
+      # ahead of the PV wait with the in-loop stores, the nearest to the default's 51), and the self-store control of
       # the burst and the paced epilogue (what NVLink adds to each).
-      protocol_diag fused_paced fapaced '{"paced":{"mode":"piggyback","store":"paced"},"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"paced34":{"mode":"piggyback","store":"paced","pin_softmax":34},"self":{"mode":"piggyback","self_store":true},"self_paced":{"mode":"piggyback","self_store":true,"store":"paced"}}' ;;
+      protocol_diag fused_paced fapaced '{"paced":{"mode":"piggyback","store":"paced"},"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"paced34":{"mode":"piggyback","store":"paced","pin_softmax":34},"paced40":{"mode":"piggyback","store":"paced","pin_softmax":40},"self":{"mode":"piggyback","self_store":true},"self_paced":{"mode":"piggyback","self_store":true,"store":"paced"}}' ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)
