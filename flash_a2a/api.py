@@ -116,14 +116,6 @@ def _dummy(device) -> _Dummy:
 FUSED_WALK = {"cross_halves": False}
 
 
-def fused_walk(variant: dict) -> dict:
-    """``variant`` with FUSED_WALK's knobs where it names none (the TMA-store epilogues take whole tiles)."""
-    walk = dict(FUSED_WALK)
-    if variant.get("store") in ("bulk", "tma"):
-        walk["cross_halves"] = False
-    return {**walk, **variant}
-
-
 def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: bool = True,
                     tile_order_world: int = 1, persistent: bool = True, tile_order_rank: int = 0,
                     **variant) -> torch.Tensor:
@@ -195,7 +187,7 @@ class FusedAttentionA2A:
         dm = _dummy(q.device)
         out_ptrs = st.self_ptrs if self_store else st.out_ptrs
         dsts = (st.out,) * self.world if self_store else st.peer_outs  # tensor maps of store="tma"
-        _kernel(q.dtype, d, mode, spans is not None, n_dst=self.world, **fused_walk(variant))(
+        _kernel(q.dtype, d, mode, spans is not None, n_dst=self.world, **{**FUSED_WALK, **variant})(
             q, k, v, q, out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
             spans if spans is not None else dm.spans, dsts, _scale(softmax_scale, d), self.rank, self.world,
             _grid(n_tiles, q.device), self.timeout_ns)

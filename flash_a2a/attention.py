@@ -725,8 +725,9 @@ class FlashAttentionA2AForward:
                 # its count is 160 there and 128 after), so no store goes out before the announcements. No
                 # wait, poll or acquire in the loop for later tiles. (The mbarrier test before every tile's
                 # stores it replaces held the destination pointer's load back until after it, in the SASS. On
-                # H200 at 12 heads/8K the ready wait still costs +2.9 µs with remote stores, +4.4 with the
-                # self-store control: fused_parts_bf4aabc.json; the cause is open.)
+                # H200 at 12 heads/8K the ready wait still cost +2.9 µs with remote stores, +4.4 with the
+                # self-store control, fused_parts_bf4aabc.json: the acquire load per poll, ~0.6% of the kernel
+                # at any M; relaxed polls and one fence, ready_wait="warp", remove it.)
                 gate = Int32(WG_THREADS) + Int32(32) * Int32(t == Int32(bidx))
                 if const_expr(self.instrument):
                     gt_gate = cute.arch.globaltimer()

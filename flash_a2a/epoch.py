@@ -64,6 +64,21 @@ def ensure_ready(flags: cute.Tensor, ready_mask: Int32, dest: Int32, world: Int3
 
 
 @cute.jit
+def wait_ready_flags(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns: Int64, errors: cute.Tensor,
+                     bidx: Int32, first, stride: cutlass.Constexpr, max_world: cutlass.Constexpr,
+                     sleep_ns: cutlass.Constexpr = 0, relaxed_poll: cutlass.Constexpr = False):
+    """Bounded waits (system scope) for the ready flags of ranks first, first + stride, ... below ``world``:
+    an unrolled loop bounded by the compile-time ``max_world`` (a run-time loop over the ranks made ptxas
+    move a 64-bit operand of the producer warp's TMA loads into vector registers, 8 R2UR per KV block,
+    ~0.65% of the kernel on H200: fused_ready_spans_9be24f1.json)."""
+    for jj in cutlass.range_constexpr((max_world + stride - 1) // stride):
+        j = first + stride * jj
+        if j < world:
+            fl.wait_geq(flags, world + j, e_next, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), bidx, "sys",
+                        sleep_ns, relaxed_poll)
+
+
+@cute.jit
 def await_all_ready(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns: Int64, errors: cute.Tensor,
                     lane: Int32, bidx: Int32, gate_barriers: cutlass.Constexpr, gate_threads: cutlass.Constexpr,
                     poll: cutlass.Constexpr = True, sleep_ns: cutlass.Constexpr = 0, max_world: cutlass.Constexpr = 32,
@@ -73,20 +88,15 @@ def await_all_ready(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns:
     this warp included). ``relaxed_poll``: relaxed polls, then one acquire fence (an acquire load per poll
     invalidates the SM's L1 each time, and cost the co-running mainloop ~0.6%). Each storing warpgroup syncs
     on its barrier before its first tile's stores, with this warp counted, so those stores follow the
-    receivers' announcements (acquire here, then the barrier's CTA-scope ordering); later tiles count without this warp, so the loop holds no poll or wait of its own.
-    By the first epilogue, a whole Q-loop later, the arrival has long happened. On timeout the error word is
-    set and the warp still arrives, so nothing hangs. ``sleep_ns``: back-off between polls; ``poll=False``
-    (a benchmark control pricing the wait, never for real output) arrives without waiting. ``max_world``: a
-    compile-time bound on ``world`` (the kernel's destination count): lane j waits for ranks j, j + 32, ...
-    in an unrolled loop. (A run-time loop over the ranks here made ptxas move a 64-bit operand of the
-    producer warp's TMA loads into vector registers, 8 R2UR per KV block on the producer's path, which cost
-    ~0.65% of the kernel's time on H200, a lasting cost, not the wait: fused_ready_spans_9be24f1.json.)"""
+    receivers' announcements (acquire here, then the barrier's CTA-scope ordering); later tiles count without
+    this warp, so the loop holds no poll or wait of its own. By the first epilogue, a whole Q-loop later, the
+    arrival has long happened. On timeout the error word is set and the warp still arrives, so nothing hangs.
+    ``sleep_ns``: back-off between polls; ``poll=False`` (a benchmark control pricing the wait, never for real
+    output) arrives without waiting. ``max_world``: a compile-time bound on ``world`` (the kernel's
+    destination count); lane j waits for ranks j, j + 32, ... (wait_ready_flags)."""
     if const_expr(poll):
-        for jj in cutlass.range_constexpr((max_world + 31) // 32):
-            j = lane + 32 * jj
-            if j < world:
-                fl.wait_geq(flags, world + j, e_next, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), bidx, "sys",
-                            sleep_ns, relaxed_poll)
+        wait_ready_flags(flags, world, e_next, timeout_ns, errors, bidx, lane, 32, max_world, sleep_ns,
+                         relaxed_poll)
     cute.arch.sync_warp()
     for b in cutlass.range_constexpr(len(gate_barriers)):
         cute.arch.barrier_arrive(barrier_id=gate_barriers[b], number_of_threads=gate_threads)
@@ -120,6 +130,4 @@ def await_ready_here(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns
     """The storing warpgroup's own ready wait (one thread; a benchmark alternative to await_all_ready's warp):
     bounded acquire waits for every receiver's epoch ``e_next``; the caller's barrier then orders the
     warpgroup's stores after them."""
-    for j in cutlass.range_constexpr(max_world):
-        if j < world:
-            fl.wait_geq(flags, world + j, e_next, timeout_ns, errors, Int32(fl.ERR_FLAG_TIMEOUT), bidx, "sys")
+    wait_ready_flags(flags, world, e_next, timeout_ns, errors, bidx, 0, 1, max_world)
