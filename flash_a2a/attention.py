@@ -44,8 +44,8 @@ from quack import copy_utils, layout_utils, sm90_utils
 from quack.cute_dsl_utils import ParamsBase
 
 from cute_kernels.flags import nanosleep
-from flash_a2a.epoch import announce_ready, await_all_ready, await_ready_here, publish_done
-from flash_a2a.mapping import tile_coords, tile_halves  # the kernel's tile walks, shared with the host
+from flash_a2a.epoch import announce_ready, await_all_ready, await_ready_here, publish_done, publish_peers_done
+from flash_a2a.mapping import early_done_tile, tile_coords, tile_halves  # the kernel's tile walks, shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
 STORES = ("st", "bulk", "tma", "paced")
@@ -59,6 +59,7 @@ SIGNALS = (True, False, "nofence", "done", "done_nofence", "gate_only")
 READY_WAITS = ("warp", "warp_acquire", "epilogue")
 DONE_BARRIER = 6  # fused modes: the MMA warpgroups' last stores and the announcing warp, before publish_done
 DONE_THREADS = (TILE_M // 64) * WG_THREADS + 32
+EARLY_BARRIER = 7  # early_done: the MMA warpgroups' last stores to peers and the publishing warp
 
 
 @cute.jit
@@ -133,7 +134,7 @@ class FlashAttentionA2AForward:
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
-                 cross_halves: bool = False, ready_wait: str = "warp"):
+                 cross_halves: bool = False, ready_wait: str = "warp", early_done: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -211,6 +212,13 @@ class FlashAttentionA2AForward:
             raise ValueError(f"ready_wait must be one of {READY_WAITS}, got {ready_wait!r}")
         self.ready_wait = ready_wait
         self.done_fence = fused and signal in (True, "done", "gate_only")
+        # early_done (fused, store="st"): a CTA whose last tile is in the walk's local tail has sent all its
+        # peer data once its last tile before the tail is stored (mapping.early_done_tile); the idle warp then
+        # fences at system scope and raises the peers' data flags under the tail tile's compute, and the
+        # kernel's last path keeps only a GPU-scope fence and this rank's own flag. False: every flag at the
+        # end (the paced/bulk/tma epilogues, whose stores are still in flight after the epilogue, always; and
+        # the crossed walk, where the extra epilogue test moved ptxas's mainloop schedule to 61 of 66).
+        self.early_done = bool(early_done) and self.flags_on and store == "st" and not cross_halves
         self.dtype, self.head_dim, self.mode, self.num_stages = dtype, head_dim, mode, num_stages
         self.instrument = instrument
         # overlap: issue block n's QKᵀ with block n-1's PV inside a warpgroup, and ping-pong GEMM issue between
@@ -401,6 +409,12 @@ class FlashAttentionA2AForward:
                                 row = n_tiles * self.num_mma_wg + bidx
                                 spans[row, 0] = t_start
                                 spans[row, 1] = cute.arch.globaltimer()
+                    if const_expr(self.early_done):
+                        early, t_last = early_done_tile(bidx, grid, n_tiles, world)
+                        if early != 0:
+                            if t_last >= 0:  # the MMA warpgroups have stored tile t_last
+                                cute.arch.barrier(barrier_id=EARLY_BARRIER, number_of_threads=DONE_THREADS)
+                            publish_peers_done(flag_ptrs, rank, world, grid, bidx, tidx % 32, self.done_fence)
                     # the CTA's completion waits for this warp too: it must read the epoch before it advances
                     cute.arch.barrier_arrive(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
             if warp_idx == 0:
@@ -672,6 +686,11 @@ class FlashAttentionA2AForward:
             if wg == 0:  # the first warpgroup issues first
                 cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WG_THREADS)
 
+        peers_done = Int32(0)
+        early_tile = Int32(-1)
+        if const_expr(self.early_done):
+            peers_done, t_last = early_done_tile(Int32(bidx), Int32(grid), n_tiles, world)
+            early_tile = peers_done * (t_last + 1) - 1  # never a tile index unless the idle warp waits for it
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
@@ -797,6 +816,9 @@ class FlashAttentionA2AForward:
                 cute.copy(g_copy, tGrO, thr_g.partition_D(g_dst))
                 if const_expr(self.mode == "completion_coupled"):
                     cute.arch.fence_acq_rel_sys()  # returns once this thread's stores are performed remotely
+            if const_expr(self.early_done):
+                if t == early_tile:  # the last tile with peer stores: the idle warp raises their flags now
+                    cute.arch.barrier_arrive(barrier_id=EARLY_BARRIER, number_of_threads=DONE_THREADS)
             if const_expr(self.instrument):
                 cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
                 if tidx % WG_THREADS == 0:
@@ -818,4 +840,4 @@ class FlashAttentionA2AForward:
         if const_expr(self.flags_on):
             cute.arch.barrier(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
             publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), Int32(bidx), tidx,
-                         self.done_fence)
+                         self.done_fence, peers_done)

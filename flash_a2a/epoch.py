@@ -104,24 +104,51 @@ def await_all_ready(flags: cute.Tensor, world: Int32, e_next: Int64, timeout_ns:
 
 @cute.jit
 def publish_done(flag_ptrs: cute.Tensor, counter: cute.Tensor, epoch: cute.Tensor, rank: Int32, world: Int32,
-                 e_next: Int64, grid: Int32, bidx: Int32, tidx: Int32, fence: cutlass.Constexpr = True):
+                 e_next: Int64, grid: Int32, bidx: Int32, tidx: Int32, fence: cutlass.Constexpr = True,
+                 peers_done=0):
     """Call after a barrier of every thread of the CTA that stored. Thread 0 fences once at system scope
     (release pattern: cumulative, so it covers the stores the barrier ordered before it), adds the CTA's
     share to every receiver's data flag for this sender (relaxed, no reply awaited), and arrives on the
     launch's arrival counter; the last CTA to arrive advances the device epoch and resets the counter for
     the next launch on this stream (local words, ordered for that launch by the kernel boundary). One
-    fence on the kernel's last path. ``fence=False`` (a benchmark control pricing the fence, never for real
-    output): the flags without it."""
+    fence on the kernel's last path. ``peers_done`` (0/1, run time): the peers' shares were already added
+    (publish_peers_done, after the CTA's last store to a peer), so only this rank's own flag is left, after a
+    GPU-scope fence (its readers are on this GPU). ``fence=False`` (a benchmark control pricing the fence,
+    never for real output): the flags without it."""
     if tidx == 0:
         share = Int64(cta_share(bidx, grid))
-        if const_expr(fence):
-            cute.arch.fence_acq_rel_sys()
-        for j in cutlass.range(world, unroll=1):
-            cute.arch.red(_peer_flag(flag_ptrs, j, rank), share, op="add", dtype="u64", sem="relaxed", scope="sys")
+        if peers_done != 0:
+            if const_expr(fence):
+                cute.arch.fence_acq_rel_gpu()
+            cute.arch.red(_peer_flag(flag_ptrs, rank, rank), share, op="add", dtype="u64", sem="relaxed",
+                          scope="sys")
+        else:
+            if const_expr(fence):
+                cute.arch.fence_acq_rel_sys()
+            for j in cutlass.range(world, unroll=1):
+                cute.arch.red(_peer_flag(flag_ptrs, j, rank), share, op="add", dtype="u64", sem="relaxed",
+                              scope="sys")
         arrived = cute.arch.atomic_add(fl.elem_ptr(counter, 0), Int32(1), sem="relaxed", scope="gpu")
         if arrived == grid - 1:
             epoch[0] = e_next
             counter[0] = Int32(0)
+
+
+@cute.jit
+def publish_peers_done(flag_ptrs: cute.Tensor, rank: Int32, world: Int32, grid: Int32, bidx: Int32,
+                       lane: Int32, fence: cutlass.Constexpr = True):
+    """One lane, once the CTA has stored everything it sends to peers (a barrier with every storing thread
+    before it): fence at system scope, then add the CTA's share to every peer's data flag for this sender;
+    publish_done then adds it to this rank's own. Run by an idle warp, so the fence and the NVLink round
+    trips stay off the kernel's last path."""
+    if lane == 0:
+        share = Int64(cta_share(bidx, grid))
+        if const_expr(fence):
+            cute.arch.fence_acq_rel_sys()
+        for j in cutlass.range(world, unroll=1):
+            if j != rank:
+                cute.arch.red(_peer_flag(flag_ptrs, j, rank), share, op="add", dtype="u64", sem="relaxed",
+                              scope="sys")
 
 
 @cute.jit

@@ -58,6 +58,19 @@ def local_tail(n_tiles, world, grid):
     return cutlass_min(groups, last_round) * cutlass_min(world - 1, 1)
 
 
+def early_done_tile(bidx, grid, n_tiles, world):
+    """(early, t_last): whether CTA ``bidx`` is done with its peers before its last tile, and the tile after
+    whose stores it is. The walk's local tail (``local_tail``, tiles [n_tiles - k, n_tiles)) holds local
+    tiles only, so a CTA with a tail tile has sent everything it sends to peers once its last tile before
+    the tail is stored (t_last < 0: it has none, nothing to wait for). Its peers' data flags can then be
+    raised by an idle warp under the tail tile's compute instead of on the kernel's last path. early = 0
+    (no tail tile, or world == 1): the CTA raises every flag at its end. Works on ints and DSL Int32."""
+    end_pre = n_tiles - local_tail(n_tiles, world, grid)
+    n_pre = cutlass_max(0, (end_pre - bidx + grid - 1) // grid)  # this CTA's tiles before the tail
+    n_all = cutlass_max(0, (n_tiles - bidx + grid - 1) // grid)
+    return cutlass_min(1, n_all - n_pre), bidx + (n_pre - 1) * grid
+
+
 def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid):
     """Tile index t of the fused kernel's walk -> (m_block, local head, batch, destination rank).
 

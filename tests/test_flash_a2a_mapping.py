@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from flash_a2a.mapping import (local_tail, post_tile, pre_destination, pre_tile, reference_pre_a2a, tile_coords,
+from flash_a2a.mapping import (early_done_tile, local_tail, post_tile, pre_destination, pre_tile, reference_pre_a2a, tile_coords,
                                tile_halves,
                                 check_ulysses_shapes, destination, reference_post_a2a)
 
@@ -95,6 +95,30 @@ def test_tile_order_ends_on_local_tiles_and_interleaves_before(world):
         end1 = (n_tiles // world - k) * world
         for g in range(0, end1, world):
             assert sorted(dests[g:g + world]) == list(range(world))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_early_done_tile_is_each_ctas_last_peer_store(world):
+    """early_done_tile against the walk itself, for random shapes and grids: a CTA is early exactly when it
+    has a tile after its last tile with a peer destination and all such later tiles are local, and t_last is
+    its last tile before the local tail (negative when it has none); never early on one rank."""
+    rng = random.Random()
+    for _ in range(200):
+        n_mb, h_loc, b = rng.randint(1, 8), rng.randint(1, 4), rng.randint(1, 2)
+        n_tiles = n_mb * world * h_loc * b
+        grid, rank = rng.randint(1, 2 * n_tiles), rng.randrange(world)
+        end_pre = n_tiles - local_tail(n_tiles, world, grid)
+        for bidx in range(min(grid, n_tiles)):
+            mine = list(range(bidx, n_tiles, grid))
+            dests = [tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid)[3] for t in mine]
+            early, t_last = early_done_tile(bidx, grid, n_tiles, world)
+            pre = [t for t in mine if t < end_pre]
+            assert early == int(len(pre) < len(mine)), (world, grid, n_tiles, bidx)
+            if world == 1:
+                assert early == 0
+            if early:
+                assert t_last == (pre[-1] if pre else bidx - grid)
+                assert all(d == rank for t, d in zip(mine, dests) if t > t_last), "a peer store after t_last"
 
 
 def _walk(inputs, out_shape, n_tiles, tile_fn, destination_fn, reference):

@@ -58,8 +58,12 @@ def test_variants_compile_with_wgmma(tmp_path, mode, head_dim, store):
     assert c.ptx_count(r"setmaxnreg") == 2, "producer/consumer register split"
     assert c.ptx_count(r"ld\.local|st\.local") == 0
     fences = c.ptx_count(r"fence\.acq_rel\.sys")
-    # the ready wait's acquire fence after its relaxed polls, the completion fence (and per half when coupled)
-    assert fences == {"local": 0, "piggyback": 2, "completion_coupled": 3}[mode], fences
+    # the ready wait's acquire fence after its relaxed polls, the completion fence (and per half when coupled);
+    # with "st" stores also the idle warp's fence before the peers' early data flags (early_done), the last
+    # path then fencing at GPU scope for this rank's own flag
+    early = mode != "local" and store == "st"
+    assert fences == {"local": 0, "piggyback": 2, "completion_coupled": 3}[mode] + early, fences
+    assert c.ptx_count(r"fence\.acq_rel\.gpu") == early
     if mode != "local":
         assert c.ptx_count(r"ld\.relaxed\.sys") >= 1, "bounded wait for the receiver's ready flag"
         assert c.ptx_count(r"ld\.acquire\.sys") == 0, "no acquire (L1 invalidation) per poll"
@@ -96,15 +100,23 @@ def test_unsignaled_control_has_no_flag_protocol(tmp_path):
     or both."""
     from flash_a2a.attention import FlashAttentionA2AForward
 
-    # (system fences: the ready wait's + the completion fence, ready polls, data-flag adds) per signal value
+    # (system fences: the ready wait's + the completion fence, ready polls, data-flag adds) per signal value,
+    # without early_done; with it (the default) the completion fence is two: the idle warp's system fence
+    # before the peers' flags and a GPU fence on the last path
     expect = {False: (0, 0, 0), True: (2, 1, 1), "nofence": (1, 1, 1), "done": (1, 0, 1), "done_nofence": (0, 0, 1),
               "gate_only": (1, 0, 1)}
     for signal, (want_fences, want_polls, want_adds) in expect.items():
-        c = _compile(tmp_path / str(signal), head_dim=128, mode="piggyback", signal=signal)
-        fences, polls = c.ptx_count(r"fence\.acq_rel\.sys"), c.ptx_count(r"ld\.(relaxed|acquire)\.sys")
-        adds = c.ptx_count(r"red\.relaxed\.sys(\.global)?\.add\.u64")
-        got = (fences, min(polls, 1), min(adds, 1))
-        assert got == (want_fences, want_polls, want_adds), (signal, fences, polls, adds)
+        for early in (False, True):
+            c = _compile(tmp_path / f"{signal}_{early}", head_dim=128, mode="piggyback", signal=signal,
+                         early_done=early)
+            fences, polls = c.ptx_count(r"fence\.acq_rel\.sys"), c.ptx_count(r"ld\.(relaxed|acquire)\.sys")
+            adds = c.ptx_count(r"red\.relaxed\.sys(\.global)?\.add\.u64")
+            got = (fences, min(polls, 1), min(adds, 1))
+            fenced = signal in (True, "done", "gate_only")
+            split = early and signal is not False
+            assert got == (want_fences + (split and fenced), want_polls, want_adds), (signal, early, fences, polls,
+                                                                                     adds)
+            assert c.ptx_count(r"fence\.acq_rel\.gpu") == (split and fenced), (signal, early)
         assert c.ptx_count(r"st\.global\.v4") >= 1
         assert c.ptx_count(r"nanosleep") == 0
     with pytest.raises(ValueError, match="signal"):
@@ -118,7 +130,7 @@ def test_unsignaled_control_has_no_flag_protocol(tmp_path):
     for where in ("warp_acquire", "epilogue"):
         c = _compile(tmp_path / where, head_dim=128, mode="piggyback", ready_wait=where)
         assert c.ptx_count(r"ld\.acquire\.sys") >= 1 and c.ptx_count(r"ld\.relaxed\.sys") == 0, where
-        assert c.ptx_count(r"fence\.acq_rel\.sys") == 1, where
+        assert c.ptx_count(r"fence\.acq_rel\.sys") == 2, where  # no ready-wait fence; early_done and the end
     with pytest.raises(ValueError, match="ready_wait"):
         FlashAttentionA2AForward(head_dim=128, mode="piggyback", ready_wait="anywhere")
     with pytest.raises(ValueError, match="ready_poll_ns"):
@@ -284,15 +296,22 @@ def _worker(rank, world, init_file, path):
 
         fused = FusedAttentionA2A()
         checked = 0
-        for shape in [(1, 1024, 2, 128), (2, 2048, 3, 128), (1, 512, 1, 64)]:
-            for mode, knobs in (("piggyback", {}), ("completion_coupled", {}), ("piggyback", {"store": "bulk"}),
-                                ("completion_coupled", {"store": "bulk"}), ("piggyback", {"store": "tma"}),
-                                ("completion_coupled", {"store": "tma"}), ("piggyback", {"store": "paced"}),
-                                ("piggyback", {"store": "paced", "pace_kv": 2}),
-                                ("piggyback", {"cross_halves": True}), ("completion_coupled", {"cross_halves": True}),
-                                ("piggyback", {"cross_halves": True, "store": "paced"}),
-                                ("piggyback", {"cross_halves": False}), ("piggyback", {"ready_wait": "epilogue"}),
-                                ("piggyback", {"ready_wait": "warp_acquire"})):
+        every = (("piggyback", {}), ("completion_coupled", {}), ("piggyback", {"store": "bulk"}),
+                 ("completion_coupled", {"store": "bulk"}), ("piggyback", {"store": "tma"}),
+                 ("completion_coupled", {"store": "tma"}), ("piggyback", {"store": "paced"}),
+                 ("piggyback", {"store": "paced", "pace_kv": 2}),
+                 ("piggyback", {"cross_halves": True}), ("completion_coupled", {"cross_halves": True}),
+                 ("piggyback", {"cross_halves": True, "store": "paced"}),
+                 ("piggyback", {"cross_halves": False}), ("piggyback", {"ready_wait": "epilogue"}),
+                 ("piggyback", {"ready_wait": "warp_acquire"}), ("piggyback", {"early_done": False}))
+        # (2, 4096, 3, 128): 192 tiles on 132 SMs, so CTAs 0..59 have a local tail tile and raise their
+        # peers' flags early (after an earlier tile's stores); the shapes of one round only take the other
+        # early_done paths (no tail tile; a tail tile and nothing before it)
+        multi_round = (("piggyback", {}), ("completion_coupled", {}), ("piggyback", {"early_done": False}),
+                       ("piggyback", {"store": "paced"}))
+        for shape, variants in [((1, 1024, 2, 128), every), ((2, 2048, 3, 128), every), ((1, 512, 1, 64), every),
+                                ((2, 4096, 3, 128), multi_round)]:
+            for mode, knobs in variants:
                 for _ in range(2):
                     q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
                     local = flash_attention(q, k, v)
@@ -368,7 +387,7 @@ def _worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_matches_local_plus_reference_a2a(tmp_path):
     for res in run_ranks(_worker, tmp_path):
-        assert res["checked"] == 87
+        assert res["checked"] == 2 * (3 * 15 + 4) + 3  # two draws per (shape, variant), three graph replays
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"
