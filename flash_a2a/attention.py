@@ -134,7 +134,7 @@ class FlashAttentionA2AForward:
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
-                 cross_halves: bool = False, ready_wait: str = "warp", early_done: bool = True):
+                 cross_halves: bool = False, ready_wait: str = "warp", early_done: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -212,12 +212,16 @@ class FlashAttentionA2AForward:
             raise ValueError(f"ready_wait must be one of {READY_WAITS}, got {ready_wait!r}")
         self.ready_wait = ready_wait
         self.done_fence = fused and signal in (True, "done", "gate_only")
-        # early_done (fused, store="st"): a CTA whose last tile is in the walk's local tail has sent all its
-        # peer data once its last tile before the tail is stored (mapping.early_done_tile); the idle warp then
-        # fences at system scope and raises the peers' data flags under the tail tile's compute, and the
-        # kernel's last path keeps only a GPU-scope fence and this rank's own flag. False: every flag at the
-        # end (the paced/bulk/tma epilogues, whose stores are still in flight after the epilogue, always; and
-        # the crossed walk, where the extra epilogue test moved ptxas's mainloop schedule to 61 of 66).
+        # early_done (fused, store="st"; a measured alternative, off by default): a CTA whose last tile is in
+        # the walk's local tail has sent all its peer data once its last tile before the tail is stored
+        # (mapping.early_done_tile); the idle warp then fences at system scope and raises the peers' data flags
+        # under the tail tile's compute, and the kernel's last path keeps a GPU-scope fence and this rank's own
+        # flag. Same mainloop SASS, bit-exact on H200, but not faster: fused - FA-only 5.0/12.8/11.7/14.7 µs
+        # against 5.1/9.8/9.2/2.7 with every flag at the end (3 and 12 heads/rank, 8K/16K,
+        # flash_a2a_variants/fused_early_89dce51.json): the system fence (MEMBAR.SYS + CCTL.IVALL) under a
+        # running Q-loop costs it more than it saves on the last path. Never with the paced/bulk/tma
+        # epilogues (their stores are still in flight after the epilogue) or the crossed walk (the extra
+        # epilogue test moved ptxas's mainloop schedule there to 61 of 66).
         self.early_done = bool(early_done) and self.flags_on and store == "st" and not cross_halves
         self.dtype, self.head_dim, self.mode, self.num_stages = dtype, head_dim, mode, num_stages
         self.instrument = instrument

@@ -59,11 +59,9 @@ def test_variants_compile_with_wgmma(tmp_path, mode, head_dim, store):
     assert c.ptx_count(r"ld\.local|st\.local") == 0
     fences = c.ptx_count(r"fence\.acq_rel\.sys")
     # the ready wait's acquire fence after its relaxed polls, the completion fence (and per half when coupled);
-    # with "st" stores also the idle warp's fence before the peers' early data flags (early_done), the last
-    # path then fencing at GPU scope for this rank's own flag
-    early = mode != "local" and store == "st"
-    assert fences == {"local": 0, "piggyback": 2, "completion_coupled": 3}[mode] + early, fences
-    assert c.ptx_count(r"fence\.acq_rel\.gpu") == early
+    # no GPU-scope fence (early_done is off by default)
+    assert fences == {"local": 0, "piggyback": 2, "completion_coupled": 3}[mode], fences
+    assert c.ptx_count(r"fence\.acq_rel\.gpu") == 0
     if mode != "local":
         assert c.ptx_count(r"ld\.relaxed\.sys") >= 1, "bounded wait for the receiver's ready flag"
         assert c.ptx_count(r"ld\.acquire\.sys") == 0, "no acquire (L1 invalidation) per poll"
@@ -101,7 +99,7 @@ def test_unsignaled_control_has_no_flag_protocol(tmp_path):
     from flash_a2a.attention import FlashAttentionA2AForward
 
     # (system fences: the ready wait's + the completion fence, ready polls, data-flag adds) per signal value,
-    # without early_done; with it (the default) the completion fence is two: the idle warp's system fence
+    # without early_done (the default); with it the completion fence is two: the idle warp's system fence
     # before the peers' flags and a GPU fence on the last path
     expect = {False: (0, 0, 0), True: (2, 1, 1), "nofence": (1, 1, 1), "done": (1, 0, 1), "done_nofence": (0, 0, 1),
               "gate_only": (1, 0, 1)}
@@ -130,7 +128,7 @@ def test_unsignaled_control_has_no_flag_protocol(tmp_path):
     for where in ("warp_acquire", "epilogue"):
         c = _compile(tmp_path / where, head_dim=128, mode="piggyback", ready_wait=where)
         assert c.ptx_count(r"ld\.acquire\.sys") >= 1 and c.ptx_count(r"ld\.relaxed\.sys") == 0, where
-        assert c.ptx_count(r"fence\.acq_rel\.sys") == 2, where  # no ready-wait fence; early_done and the end
+        assert c.ptx_count(r"fence\.acq_rel\.sys") == 1, where
     with pytest.raises(ValueError, match="ready_wait"):
         FlashAttentionA2AForward(head_dim=128, mode="piggyback", ready_wait="anywhere")
     with pytest.raises(ValueError, match="ready_poll_ns"):
@@ -303,12 +301,12 @@ def _worker(rank, world, init_file, path):
                  ("piggyback", {"cross_halves": True}), ("completion_coupled", {"cross_halves": True}),
                  ("piggyback", {"cross_halves": True, "store": "paced"}),
                  ("piggyback", {"cross_halves": False}), ("piggyback", {"ready_wait": "epilogue"}),
-                 ("piggyback", {"ready_wait": "warp_acquire"}), ("piggyback", {"early_done": False}))
-        # (2, 4096, 3, 128): 192 tiles on 132 SMs, so CTAs 0..59 have a local tail tile and raise their
-        # peers' flags early (after an earlier tile's stores); the shapes of one round only take the other
-        # early_done paths (no tail tile; a tail tile and nothing before it)
-        multi_round = (("piggyback", {}), ("completion_coupled", {}), ("piggyback", {"early_done": False}),
-                       ("piggyback", {"store": "paced"}))
+                 ("piggyback", {"ready_wait": "warp_acquire"}), ("piggyback", {"early_done": True}))
+        # (2, 4096, 3, 128): 192 tiles on 132 SMs, so with early_done CTAs 0..59 have a local tail tile and
+        # raise their peers' flags after an earlier tile's stores; the shapes of one round only take its other
+        # paths (no tail tile; a tail tile and nothing before it)
+        multi_round = (("piggyback", {}), ("piggyback", {"early_done": True}),
+                       ("completion_coupled", {"early_done": True}), ("piggyback", {"store": "paced"}))
         for shape, variants in [((1, 1024, 2, 128), every), ((2, 2048, 3, 128), every), ((1, 512, 1, 64), every),
                                 ((2, 4096, 3, 128), multi_round)]:
             for mode, knobs in variants:

@@ -88,11 +88,12 @@ for stage in $stages; do
       # the burst and the paced epilogue (what NVLink adds to each).
       protocol_diag fused_paced fapaced '{"paced":{"mode":"piggyback","store":"paced"},"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"paced34":{"mode":"piggyback","store":"paced","pin_softmax":34},"paced40":{"mode":"piggyback","store":"paced","pin_softmax":40},"self":{"mode":"piggyback","self_store":true},"self_paced":{"mode":"piggyback","self_store":true,"store":"paced"}}' ;;
     faearly)
-      # early_done (default): a CTA with a local tail tile raises its peers' data flags from the idle warp once
-      # its last peer stores are out, under the tail tile's compute, leaving a GPU-scope fence and its own flag
-      # on the last path; beside the flags all at the end ("late"), with and without NVLink, and the paced
-      # epilogue at pin_softmax 40 (53 of 66 exponentials ahead of the PV wait, the nearest to the default's 51).
-      FADIAG_SEQ=${FADIAG_SEQ:-8192 16384} protocol_diag fused_early faearly '{"late":{"mode":"piggyback","early_done":false},"self":{"mode":"piggyback","self_store":true},"self_late":{"mode":"piggyback","self_store":true,"early_done":false},"paced40":{"mode":"piggyback","store":"paced","pin_softmax":40},"self_paced40":{"mode":"piggyback","self_store":true,"store":"paced","pin_softmax":40}}' ;;
+      # early_done (a measured alternative): a CTA with a local tail tile raises its peers' data flags from the
+      # idle warp once its last peer stores are out, under the tail tile's compute, leaving a GPU-scope fence
+      # and its own flag on the last path; beside the default (every flag at the end), with and without
+      # NVLink, and the paced epilogue at pin_softmax 40 (53 of 66 exponentials ahead of the PV wait).
+      # (fused_early_89dce51.json ran with early_done the default: its "late" columns are today's default.)
+      FADIAG_SEQ=${FADIAG_SEQ:-8192 16384} protocol_diag fused_early faearly '{"early":{"mode":"piggyback","early_done":true},"self":{"mode":"piggyback","self_store":true},"self_early":{"mode":"piggyback","self_store":true,"early_done":true},"paced40":{"mode":"piggyback","store":"paced","pin_softmax":40},"self_paced40":{"mode":"piggyback","self_store":true,"store":"paced","pin_softmax":40}}' ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)
