@@ -216,10 +216,11 @@ class FlashAttentionA2AForward:
         # the walk's local tail has sent all its peer data once its last tile before the tail is stored
         # (mapping.early_done_tile); the idle warp then fences at system scope and raises the peers' data flags
         # under the tail tile's compute, and the kernel's last path keeps a GPU-scope fence and this rank's own
-        # flag. Same mainloop SASS, bit-exact on H200, but not faster: fused - FA-only 5.0/12.8/11.7/14.7 µs
-        # against 5.1/9.8/9.2/2.7 with every flag at the end (3 and 12 heads/rank, 8K/16K,
-        # flash_a2a_variants/fused_early_89dce51.json): the system fence (MEMBAR.SYS + CCTL.IVALL) under a
-        # running Q-loop costs it more than it saves on the last path. Never with the paced/bulk/tma
+        # flag. Same mainloop SASS, bit-exact on H200, but slower: fused - FA-only +5.3/+11.5/+14.0/+15.8 µs
+        # against +5.3/+9.8/+12.6/+3.9 with every flag at the end (3 heads/rank 8K, 16K; 12 heads 8K, 16K;
+        # 48 adjacent pairs each, flash_a2a_variants/fused_early_89dce51.json), and the same without NVLink
+        # (self-store: +1.5/+2.7/+2.4/+10.1 against +2.0/+1.7/+1.6/+0.6): the system fence (MEMBAR.SYS +
+        # CCTL.IVALL) under a running Q-loop costs that Q-loop more than the last path saves. Never with the paced/bulk/tma
         # epilogues (their stores are still in flight after the epilogue) or the crossed walk (the extra
         # epilogue test moved ptxas's mainloop schedule there to 61 of 66).
         self.early_done = bool(early_done) and self.flags_on and store == "st" and not cross_halves

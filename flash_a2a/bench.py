@@ -187,6 +187,16 @@ def apply_alternated(row: dict, fused_columns: list[str]) -> None:
             row[c + "_E_res_us"] = alt[key]["median_us"]
     if "fused_cc_minus_fused" in alt:
         row["fused_cc_minus_fused_us"] = alt["fused_cc_minus_fused"]["median_us"]
+    if "fa4_minus_fa_ours" in alt:
+        row["fa4_over_ours_paired"] = paired_ratio(alt["fa4_minus_fa_ours"])
+
+
+def paired_ratio(pair: dict) -> float:
+    """T_second / T_first from adjacent alternating launches (``alternated_excess``): the first kernel's
+    median plus the median paired difference, over the first's median. For FA4 against ours (T_FA4 / T_ours,
+    1 = parity) on long kernels, where clocks drift between rounds by more than the two kernels differ
+    (12 heads/48K at d00e7f3: per-round times of one column spread over 7%)."""
+    return (pair["first_median_us"] + pair["median_us"]) / pair["first_median_us"]
 
 
 def pair_stats(firsts: list[float], seconds: list[float]) -> dict:
@@ -323,7 +333,8 @@ def _run(rank, world, args):
             if args.alternate_pairs and medians.get("fa_ours", 0.0) >= args.alternate_min_us:
                 # Long kernels: residuals from adjacent launches (see alternated_excess).
                 pairs = {"fused_cc_minus_fused": ("fused", "fused_cc"),
-                         "serial_ours_nccl_minus_fa_plain": ("fa_ours_plain_order", "serial_ours_nccl")}
+                         "serial_ours_nccl_minus_fa_plain": ("fa_ours_plain_order", "serial_ours_nccl"),
+                         "fa4_minus_fa_ours": ("fa_ours", "fa4")}
                 pairs.update({f"{c}_minus_fa_ours": ("fa_ours", c) for c in fused_residual_columns(args.variants)})
                 pairs.update({f"fa_ours_{n}_minus_fa_ours": ("fa_ours", f"fa_ours_{n}")  # FA-only variants
                               for n, kn in args.variants.items() if "mode" not in kn})

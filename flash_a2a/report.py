@@ -30,6 +30,8 @@ def table_row(row: dict) -> str:
         if row.get("fused_E_res_round_paired_us") is not None:  # alternated launches; round-paired beside it
             e_txt += f" [rounds {row['fused_E_res_round_paired_us']:+.0f}]"
     ratio = f"{row['fa4_us'] / t_fa:.3f}" if "fa4_us" in row and t_fa else "–"
+    if row.get("fa4_over_ours_paired") is not None:  # long kernels: adjacent alternating launches beside it
+        ratio += f" [pairs {row['fa4_over_ours_paired']:.3f}]"
     cc = row.get("fused_cc_minus_fused_us")
     h = row.get("hiding_ratio")
     target = (0.98 * row["serial_fa4_nccl_us"] / row["fa4_us"]

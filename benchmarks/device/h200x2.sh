@@ -41,6 +41,14 @@ for stage in $stages; do
         fa_ours_pin_all fa_ours_unpinned'
       timeout ${FA_TIMEOUT:-575} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/flash_a2a.json" \
         ${FA_ARGS:-$fa_default} 2>&1 | tee "$OUT/fa.log" ;;
+    faonly)
+      # FA-only against flash-attn-4 and cuDNN at every shape of the main run, 10 rounds, and for T_FA >= 500 µs
+      # 48 adjacent alternating (ours, FA4) launch pairs (fa4_over_ours_paired: immune to the clock drift
+      # between rounds that moved single columns by up to 7% at 12 heads/48K); no fused, A2A or spans columns.
+      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_only.json" \
+        --replays 10 --alternate-pairs 48 --no-spans --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent \
+        fa_ours_pin_all fa_ours_unpinned a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused \
+        fused_cc fused_visible serial_fa4_nccl 2>&1 | tee "$OUT/faonly.log" ;;
     fadiag)
       # Decomposes the fused residual (M = $FADIAG_SEQ, default 8K): fused_self_nosig - fa_ours (epilogue code),
       # fused_self - fused_self_nosig (flag protocol), fused - fused_self (NVLink stores); spans of both kernels
