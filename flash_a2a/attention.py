@@ -45,7 +45,7 @@ from quack.cute_dsl_utils import ParamsBase
 
 from cute_kernels.flags import nanosleep
 from flash_a2a.epoch import announce_ready, await_all_ready, await_ready_here, publish_done, publish_peers_done
-from flash_a2a.mapping import early_done_tile, tile_coords, tile_halves  # the kernel's tile walks, shared with the host
+from flash_a2a.mapping import early_done_tile, final_tile, tile_coords, tile_halves  # the kernel's tile walks, shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
 STORES = ("st", "bulk", "tma", "paced")
@@ -134,7 +134,7 @@ class FlashAttentionA2AForward:
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
-                 cross_halves: bool = False, ready_wait: str = "warp", early_done: bool = False):
+                 cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -220,10 +220,18 @@ class FlashAttentionA2AForward:
         # against +5.3/+9.8/+12.6/+3.9 with every flag at the end (3 heads/rank 8K, 16K; 12 heads 8K, 16K;
         # 48 adjacent pairs each, flash_a2a_variants/fused_early_89dce51.json), and the same without NVLink
         # (self-store: +1.5/+2.7/+2.4/+10.1 against +2.0/+1.7/+1.6/+0.6): the system fence (MEMBAR.SYS +
-        # CCTL.IVALL) under a running Q-loop costs that Q-loop more than the last path saves. Never with the paced/bulk/tma
-        # epilogues (their stores are still in flight after the epilogue) or the crossed walk (the extra
-        # epilogue test moved ptxas's mainloop schedule there to 61 of 66).
-        self.early_done = bool(early_done) and self.flags_on and store == "st" and not cross_halves
+        # CCTL.IVALL) under a running Q-loop costs that Q-loop more than the last path saves. True is that
+        # placement ("pre_tail"); "last_epilogue" waits until the CTA's final (tail) tile has left its Q-loop:
+        # the idle warp fences and raises the peers' flags while the warpgroups run that tile's epilogue, so
+        # the fence overlaps no Q-loop. Never with the paced/bulk/tma epilogues (their stores are still in
+        # flight after the epilogue) or the crossed walk (the extra epilogue test moved ptxas's mainloop
+        # schedule there to 61 of 66).
+        if early_done is True:
+            early_done = "pre_tail"
+        if early_done not in (False, "pre_tail", "last_epilogue"):
+            raise ValueError(f"early_done must be False, True ('pre_tail') or 'last_epilogue', got {early_done!r}")
+        on = self.flags_on and store == "st" and not cross_halves
+        self.early_done = early_done if on else False
         self.dtype, self.head_dim, self.mode, self.num_stages = dtype, head_dim, mode, num_stages
         self.instrument = instrument
         # overlap: issue block n's QKᵀ with block n-1's PV inside a warpgroup, and ping-pong GEMM issue between
@@ -417,7 +425,9 @@ class FlashAttentionA2AForward:
                     if const_expr(self.early_done):
                         early, t_last = early_done_tile(bidx, grid, n_tiles, world)
                         if early != 0:
-                            if t_last >= 0:  # the MMA warpgroups have stored tile t_last
+                            # the MMA warpgroups have stored tile t_last ("pre_tail"), or finished the final
+                            # tile's Q-loop ("last_epilogue"; every earlier tile stored)
+                            if t_last >= 0 or const_expr(self.early_done == "last_epilogue"):
                                 cute.arch.barrier(barrier_id=EARLY_BARRIER, number_of_threads=DONE_THREADS)
                             publish_peers_done(flag_ptrs, rank, world, grid, bidx, tidx % 32, self.done_fence)
                     # the CTA's completion waits for this warp too: it must read the epoch before it advances
@@ -695,6 +705,8 @@ class FlashAttentionA2AForward:
         early_tile = Int32(-1)
         if const_expr(self.early_done):
             peers_done, t_last = early_done_tile(Int32(bidx), Int32(grid), n_tiles, world)
+            if const_expr(self.early_done == "last_epilogue"):
+                t_last = final_tile(Int32(bidx), Int32(grid), n_tiles)
             early_tile = peers_done * (t_last + 1) - 1  # never a tile index unless the idle warp waits for it
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -727,6 +739,9 @@ class FlashAttentionA2AForward:
                 pipe_q.consumer_release(q_state)
             q_state.advance()
             softmax.rescale(acc_o, softmax.finalize())
+            if const_expr(self.early_done == "last_epilogue"):
+                if t == early_tile:  # the final tile's Q-loop is done, every earlier tile's stores issued
+                    cute.arch.barrier_arrive(barrier_id=EARLY_BARRIER, number_of_threads=DONE_THREADS)
 
             # ---- epilogue of this warpgroup's 64 rows
             r_o = cute.make_fragment_like(acc_o, self.dtype)
@@ -821,7 +836,7 @@ class FlashAttentionA2AForward:
                 cute.copy(g_copy, tGrO, thr_g.partition_D(g_dst))
                 if const_expr(self.mode == "completion_coupled"):
                     cute.arch.fence_acq_rel_sys()  # returns once this thread's stores are performed remotely
-            if const_expr(self.early_done):
+            if const_expr(self.early_done == "pre_tail"):
                 if t == early_tile:  # the last tile with peer stores: the idle warp raises their flags now
                     cute.arch.barrier_arrive(barrier_id=EARLY_BARRIER, number_of_threads=DONE_THREADS)
             if const_expr(self.instrument):

@@ -71,6 +71,12 @@ def early_done_tile(bidx, grid, n_tiles, world):
     return cutlass_min(1, n_all - n_pre), bidx + (n_pre - 1) * grid
 
 
+def final_tile(bidx, grid, n_tiles):
+    """The last tile CTA ``bidx`` walks (tiles bidx, bidx + grid, ... below n_tiles), or bidx - grid when it
+    has none. Ints or DSL Int32."""
+    return bidx + (cutlass_max(0, (n_tiles - bidx + grid - 1) // grid) - 1) * grid
+
+
 def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid):
     """Tile index t of the fused kernel's walk -> (m_block, local head, batch, destination rank).
 

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from flash_a2a.mapping import (early_done_tile, local_tail, post_tile, pre_destination, pre_tile, reference_pre_a2a, tile_coords,
+from flash_a2a.mapping import (early_done_tile, final_tile, local_tail, post_tile, pre_destination, pre_tile, reference_pre_a2a, tile_coords,
                                tile_halves,
                                 check_ulysses_shapes, destination, reference_post_a2a)
 
@@ -116,6 +116,7 @@ def test_early_done_tile_is_each_ctas_last_peer_store(world):
             assert early == int(len(pre) < len(mine)), (world, grid, n_tiles, bidx)
             if world == 1:
                 assert early == 0
+            assert final_tile(bidx, grid, n_tiles) == mine[-1]
             if early:
                 assert t_last == (pre[-1] if pre else bidx - grid)
                 assert all(d == rank for t, d in zip(mine, dests) if t > t_last), "a peer store after t_last"

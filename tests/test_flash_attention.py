@@ -104,7 +104,7 @@ def test_unsignaled_control_has_no_flag_protocol(tmp_path):
     expect = {False: (0, 0, 0), True: (2, 1, 1), "nofence": (1, 1, 1), "done": (1, 0, 1), "done_nofence": (0, 0, 1),
               "gate_only": (1, 0, 1)}
     for signal, (want_fences, want_polls, want_adds) in expect.items():
-        for early in (False, True):
+        for early in (False, True, "last_epilogue"):
             c = _compile(tmp_path / f"{signal}_{early}", head_dim=128, mode="piggyback", signal=signal,
                          early_done=early)
             fences, polls = c.ptx_count(r"fence\.acq_rel\.sys"), c.ptx_count(r"ld\.(relaxed|acquire)\.sys")
@@ -131,6 +131,8 @@ def test_unsignaled_control_has_no_flag_protocol(tmp_path):
         assert c.ptx_count(r"fence\.acq_rel\.sys") == 1, where
     with pytest.raises(ValueError, match="ready_wait"):
         FlashAttentionA2AForward(head_dim=128, mode="piggyback", ready_wait="anywhere")
+    with pytest.raises(ValueError, match="early_done"):
+        FlashAttentionA2AForward(head_dim=128, mode="piggyback", early_done="sometime")
     with pytest.raises(ValueError, match="ready_poll_ns"):
         FlashAttentionA2AForward(head_dim=128, mode="piggyback", ready_poll_ns=-1)
 
@@ -176,8 +178,9 @@ def test_fused_mainloop_schedules_like_local(tmp_path):
 
 
 def test_crossed_walk_and_ready_wait_keep_the_schedules(tmp_path):
-    """The crossed tile walk (two 64-row Q loads, per-warpgroup destinations) keeps the mainloop's schedule,
-    and the fused kernel's ready wait leaves the TMA producer's KV loop as the local kernel's: no R2UR in it.
+    """The crossed tile walk (two 64-row Q loads, per-warpgroup destinations) and both early_done placements
+    keep the mainloop's schedule, and the fused kernel's ready wait leaves the TMA producer's KV loop as the
+    local kernel's: no R2UR in it.
     (A run-time loop over the ranks in the ready wait once put a 64-bit operand of the producer's TMA loads
     in vector registers, 8 R2UR per KV block, and cost ~0.65% of the kernel's time on H200; a 64-bit
     division in the walk once moved the mainloop to 61 of 66 exponentials ahead of the PV wait.)"""
@@ -186,6 +189,8 @@ def test_crossed_walk_and_ready_wait_keep_the_schedules(tmp_path):
     texts = {name: _sass(_compile(tmp_path / name, head_dim=128, **knobs)) for name, knobs in (
         ("local", {"mode": "local"}), ("local_cross", {"mode": "local", "cross_halves": True}),
         ("fused", {"mode": "piggyback", "n_dst": 2}),
+        ("fused_early", {"mode": "piggyback", "n_dst": 2, "early_done": True}),
+        ("fused_last_epilogue", {"mode": "piggyback", "n_dst": 2, "early_done": "last_epilogue"}),
         ("fused_cross", {"mode": "piggyback", "n_dst": 2, "cross_halves": True}))}
     windows = {name: softmax_overlap(t) for name, t in texts.items()}
     assert len(set(map(tuple, windows.values()))) == 1, windows
@@ -301,12 +306,14 @@ def _worker(rank, world, init_file, path):
                  ("piggyback", {"cross_halves": True}), ("completion_coupled", {"cross_halves": True}),
                  ("piggyback", {"cross_halves": True, "store": "paced"}),
                  ("piggyback", {"cross_halves": False}), ("piggyback", {"ready_wait": "epilogue"}),
-                 ("piggyback", {"ready_wait": "warp_acquire"}), ("piggyback", {"early_done": True}))
+                 ("piggyback", {"ready_wait": "warp_acquire"}), ("piggyback", {"early_done": True}),
+                 ("piggyback", {"early_done": "last_epilogue"}))
         # (2, 4096, 3, 128): 192 tiles on 132 SMs, so with early_done CTAs 0..59 have a local tail tile and
         # raise their peers' flags after an earlier tile's stores; the shapes of one round only take its other
         # paths (no tail tile; a tail tile and nothing before it)
         multi_round = (("piggyback", {}), ("piggyback", {"early_done": True}),
-                       ("completion_coupled", {"early_done": True}), ("piggyback", {"store": "paced"}))
+                       ("completion_coupled", {"early_done": True}), ("piggyback", {"early_done": "last_epilogue"}),
+                       ("piggyback", {"store": "paced"}))
         for shape, variants in [((1, 1024, 2, 128), every), ((2, 2048, 3, 128), every), ((1, 512, 1, 64), every),
                                 ((2, 4096, 3, 128), multi_round)]:
             for mode, knobs in variants:
@@ -385,7 +392,7 @@ def _worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_matches_local_plus_reference_a2a(tmp_path):
     for res in run_ranks(_worker, tmp_path):
-        assert res["checked"] == 2 * (3 * 15 + 4) + 3  # two draws per (shape, variant), three graph replays
+        assert res["checked"] == 2 * (3 * 16 + 5) + 3  # two draws per (shape, variant), three graph replays
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"
