@@ -223,7 +223,9 @@ class FlashAttentionA2AForward:
         # CCTL.IVALL) under a running Q-loop costs that Q-loop more than the last path saves. True is that
         # placement ("pre_tail"); "last_epilogue" waits until the CTA's final (tail) tile has left its Q-loop:
         # the idle warp fences and raises the peers' flags while the warpgroups run that tile's epilogue, so
-        # the fence overlaps no Q-loop. Never with the paced/bulk/tma epilogues (their stores are still in
+        # the fence overlaps no Q-loop. Slower still (fused_early_0eeed06.json: +6.6/+14.9/+16.2/+31.1 µs
+        # against the default's +4.9/+9.7/+11.8/+6.0; self-store +3.2/+7.8/+6.4/+27.9 against
+        # +1.8/+2.2/+1.5/+2.0): a system fence is cheapest where nothing else runs, at the end. Never with the paced/bulk/tma epilogues (their stores are still in
         # flight after the epilogue) or the crossed walk (the extra epilogue test moved ptxas's mainloop
         # schedule there to 61 of 66).
         if early_done is True:
