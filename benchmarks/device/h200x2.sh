@@ -49,6 +49,17 @@ for stage in $stages; do
         --replays 10 --alternate-pairs 48 --no-spans --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent \
         fa_ours_pin_all fa_ours_unpinned a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused \
         fused_cc fused_visible serial_fa4_nccl 2>&1 | tee "$OUT/faonly.log" ;;
+    fapins)
+      # FA-only mainloop schedules not measured before: pin_softmax 8/16/24 (18/26/34 of 66 exponentials ahead
+      # of the PV wait; the default's first_row gives 51) and pin 8 without rescale_before_pv (10 ahead, O
+      # rescaled after the PV wait: FA4's SM90 loop issues 10 there), beside the default and FA4, at M =
+      # $FADIAG_SEQ (default 16K/32K), 8 rounds, 32 adjacent pairs per variant (against the default) and for FA4.
+      timeout ${FA_TIMEOUT:-240} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_pins.json" \
+        --seq-lens ${FADIAG_SEQ:-16384 32768} --replays 8 --alternate-pairs 32 --no-spans --skip fa_ours_no_overlap \
+        fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned fa_ours_plain_order cudnn a2a_nccl \
+        a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused fused_cc fused_visible serial_fa4_nccl \
+        --variants '{"pin8":{"pin_softmax":8},"pin16":{"pin_softmax":16},"pin24":{"pin_softmax":24},"fa4like":{"pin_softmax":8,"rescale_before_pv":false}}' \
+        2>&1 | tee "$OUT/fapins.log" ;;
     fadiag)
       # Decomposes the fused residual (M = $FADIAG_SEQ, default 8K): fused_self_nosig - fa_ours (epilogue code),
       # fused_self - fused_self_nosig (flag protocol), fused - fused_self (NVLink stores); spans of both kernels
