@@ -22,7 +22,9 @@ and the serial excess T_serial - T_FA, each the median over rounds of the differ
 from pairs of adjacent launches on one stream, each pair aligned, in alternating order
 (``alternated_excess``; the round-paired value is kept
 as ``fused_E_res_round_paired_us``); hiding ratio H = 1 - E_res / (T_serial - T_FA) (eq. 21),
-speedups over each serial, TFLOP/s, and the model's G* and M*_ub from the platform profile.
+speedups over each serial, TFLOP/s, and the model's G* and M*_ub from the platform profile. The same
+adjacent pairs, for those kernels, give T_FA4 / T_ours (``fa4_over_ours_paired``) and the speedup over
+serial FA4 + NCCL (``speedup_fused_over_serial_fa4_nccl_paired``) free of the round-to-round drift.
 """
 from __future__ import annotations
 
@@ -189,6 +191,8 @@ def apply_alternated(row: dict, fused_columns: list[str]) -> None:
         row["fused_cc_minus_fused_us"] = alt["fused_cc_minus_fused"]["median_us"]
     if "fa4_minus_fa_ours" in alt:
         row["fa4_over_ours_paired"] = paired_ratio(alt["fa4_minus_fa_ours"])
+    if "serial_fa4_nccl_minus_fused" in alt:  # the speedup over serial FA4 + NCCL, free of round drift
+        row["speedup_fused_over_serial_fa4_nccl_paired"] = paired_ratio(alt["serial_fa4_nccl_minus_fused"])
 
 
 def paired_ratio(pair: dict) -> float:
@@ -334,7 +338,8 @@ def _run(rank, world, args):
                 # Long kernels: residuals from adjacent launches (see alternated_excess).
                 pairs = {"fused_cc_minus_fused": ("fused", "fused_cc"),
                          "serial_ours_nccl_minus_fa_plain": ("fa_ours_plain_order", "serial_ours_nccl"),
-                         "fa4_minus_fa_ours": ("fa_ours", "fa4")}
+                         "fa4_minus_fa_ours": ("fa_ours", "fa4"),
+                         "serial_fa4_nccl_minus_fused": ("fused", "serial_fa4_nccl")}
                 pairs.update({f"{c}_minus_fa_ours": ("fa_ours", c) for c in fused_residual_columns(args.variants)})
                 pairs.update({f"fa_ours_{n}_minus_fa_ours": ("fa_ours", f"fa_ours_{n}")  # FA-only variants
                               for n, kn in args.variants.items() if "mode" not in kn})

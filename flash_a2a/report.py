@@ -39,6 +39,8 @@ def table_row(row: dict) -> str:
     s_ours = row.get("speedup_fused_over_serial_ours_nccl")
     s_fa4 = row.get("speedup_fused_over_serial_fa4_nccl")
     speed = (f"{s_ours:.3f} / {s_fa4:.3f}" if s_ours and s_fa4 else "–") + (f" ({target:.3f})" if target else "")
+    if row.get("speedup_fused_over_serial_fa4_nccl_paired") is not None:  # adjacent pairs, beside the rounds'
+        speed += f" [pairs {row['speedup_fused_over_serial_fa4_nccl_paired']:.3f}]"
     m = row["seq_len"]
     cells = [str(row["heads_per_rank"]), f"{m // 1024}K" if m % 1024 == 0 else str(m), _us(row, "fa_ours"),
              _us(row, "fa4"), _us(row, "cudnn"), ratio, _pair(row, "a2a_nccl", "a2a_symm"),

@@ -100,6 +100,9 @@ def test_markdown_table_has_one_line_per_row_with_its_numbers(tmp_path):
         r["serial_fa4_nccl_us"] = r["fa4_us"] + 40.0
     rows[-1]["fused_E_res_round_paired_us"] = 123.0
     rows[-1]["fa4_over_ours_paired"] = 0.9876
+    rows[-1]["speedup_fused_over_serial_ours_nccl"] = 1.01
+    rows[-1]["speedup_fused_over_serial_fa4_nccl"] = 1.02
+    rows[-1]["speedup_fused_over_serial_fa4_nccl_paired"] = 1.0345
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"rows": rows}))
     lines = markdown_table_file(str(path)).splitlines()
@@ -111,6 +114,7 @@ def test_markdown_table_has_one_line_per_row_with_its_numbers(tmp_path):
     assert first[5] == f"{rows[0]['fa4_us'] / rows[0]['fa_ours_us']:.3f}"  # T_FA4 / T_ours
     assert "[rounds +123]" in lines[-1]
     assert "[pairs 0.988]" in lines[-1] and "[pairs" not in lines[2]
+    assert "[pairs 1.034]" in lines[-1].split(" | ")[-1]  # the speedup over serial FA4 + NCCL from pairs
     assert "–" in lines[2]  # columns a row lacks (cuDNN here) print as a dash, not a crash
 
 
@@ -136,8 +140,12 @@ def test_alternated_residuals_replace_round_paired_ones_for_every_fused_column()
     t_ours, diff = rng.uniform(500, 40000), rng.uniform(-2000, 2000)
     row["alternated"]["fa4_minus_fa_ours"] = {"first_median_us": t_ours, "median_us": diff,
                                               "second_median_us": t_ours + diff + 7.0}
+    t_fused, gap = rng.uniform(500, 40000), rng.uniform(0, 900)
+    row["alternated"]["serial_fa4_nccl_minus_fused"] = {"first_median_us": t_fused, "median_us": gap,
+                                                        "second_median_us": t_fused + gap}
     apply_alternated(row, cols)
     assert abs(row["fa4_over_ours_paired"] - (t_ours + diff) / t_ours) < 1e-12
+    assert abs(row["speedup_fused_over_serial_fa4_nccl_paired"] - (t_fused + gap) / t_fused) < 1e-12
     short = {"fused_E_res_us": 3.0}  # short kernels: no alternated block, nothing replaced
     apply_alternated(short, cols)
     assert short == {"fused_E_res_us": 3.0}
