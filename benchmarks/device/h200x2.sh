@@ -114,67 +114,6 @@ for stage in $stages; do
       # beside the default (every flag at the end), with and without NVLink.
       # (fused_early_89dce51.json ran with early_done the default: its "late" columns are today's default.)
       FADIAG_SEQ=${FADIAG_SEQ:-8192 16384} protocol_diag fused_early faearly '{"early":{"mode":"piggyback","early_done":true},"last":{"mode":"piggyback","early_done":"last_epilogue"},"self":{"mode":"piggyback","self_store":true},"self_last":{"mode":"piggyback","self_store":true,"early_done":"last_epilogue"}}' ;;
-    faonly)
-      # FA-only against flash-attn-4 and cuDNN at every shape of the main run, 10 rounds, and for T_FA >= 500 µs
-      # 48 adjacent alternating (ours, FA4) launch pairs (fa4_over_ours_paired: immune to the clock drift
-      # between rounds that moved single columns by up to 7% at 12 heads/48K); no fused, A2A or spans columns.
-      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_only.json" \
-        --replays 10 --alternate-pairs 48 --no-spans --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent \
-        fa_ours_pin_all fa_ours_unpinned a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused \
-        fused_cc fused_visible serial_fa4_nccl 2>&1 | tee "$OUT/faonly.log" ;;
-    fadiag)
-      # Decomposes the fused residual (M = $FADIAG_SEQ, default 8K): fused_self_nosig - fa_ours (epilogue code),
-      # fused_self - fused_self_nosig (flag protocol), fused - fused_self (NVLink stores); spans of both kernels
-      # (clock, time between bursts); FA-only one CTA per tile (FA4's SM90 launch); TMA-store epilogues
-      # (first_row and pin 34, which schedules the mainloop like the default's 51 of 66 exponentials).
-      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fused_diag.json" \
-        --seq-lens ${FADIAG_SEQ:-8192} --replays 6 --skip fa_ours_no_overlap fa_ours_lag_v \
-        fa_ours_pin_all fa_ours_unpinned fa_ours_plain_order pre_a2a_nccl pre_a2a_symm cudnn \
-        --variants '{"self":{"mode":"piggyback","self_store":true},"self_nosig":{"mode":"piggyback","self_store":true,"signal":false},"nosig":{"mode":"piggyback","signal":false},"tma":{"store":"tma"},"tma34":{"store":"tma","pin_softmax":34},"pbtma":{"mode":"piggyback","store":"tma"},"pbtma34":{"mode":"piggyback","store":"tma","pin_softmax":34}}' \
-        2>&1 | tee "$OUT/fadiag.log" ;;
-    faparts)
-      # Prices the flag protocol's parts at M = $FADIAG_SEQ (default 8K), with and without NVLink: without the
-      # completion fence ("nofence"), without the ready wait ("done"), without both ("done_nofence").
-      protocol_diag fused_parts faparts '{"self":{"mode":"piggyback","self_store":true},"self_nosig":{"mode":"piggyback","self_store":true,"signal":false},"self_nofence":{"mode":"piggyback","self_store":true,"signal":"nofence"},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_donenf":{"mode":"piggyback","self_store":true,"signal":"done_nofence"},"nosig":{"mode":"piggyback","signal":false},"nofence":{"mode":"piggyback","signal":"nofence"},"done":{"mode":"piggyback","signal":"done"}}' ;;
-    faready)
-      # The ready wait's cost (faparts at bf4aabc: +1.2/+4.4 µs at 3/12 heads per rank, 8K), taken apart:
-      # the gate's barrier arrival without the poll ("gate_only") and the poll with a 500 ns back-off, beside
-      # the full protocol and no ready wait ("done"), with and without NVLink.
-      protocol_diag fused_ready faready '{"self":{"mode":"piggyback","self_store":true},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_gate":{"mode":"piggyback","self_store":true,"signal":"gate_only"},"self_sleep":{"mode":"piggyback","self_store":true,"ready_poll_ns":500},"done":{"mode":"piggyback","signal":"done"},"gate":{"mode":"piggyback","signal":"gate_only"},"sleep":{"mode":"piggyback","ready_poll_ns":500}}' ;;
-    fareadyspans)
-      # Where the ready wait's cost comes from (faparts at 8fc9d76: ~0.65% of T_FA at every shape, the whole
-      # residual at 32K): the protocol's parts beside a 50 µs delay before the first poll, with the per-CTA
-      # ready rows of an instrumented launch (poll time, first-tile gate wait) in spans_ready.
-      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fused_ready_spans.json" \
-        --seq-lens ${FADIAG_SEQ:-16384 32768} --replays 10 --alternate-min-us 0 --skip fa_ours_no_overlap \
-        fa_ours_lag_v fa_ours_pin_all fa_ours_unpinned fa_ours_plain_order fa_ours_nonpersistent pre_a2a_nccl \
-        pre_a2a_symm cudnn a2a_nccl a2a_symm serial_ours_nccl fused_cc fused_visible fa4 serial_fa4_nccl \
-        --variants '{"self":{"mode":"piggyback","self_store":true},"self_done":{"mode":"piggyback","self_store":true,"signal":"done"},"self_gate":{"mode":"piggyback","self_store":true,"signal":"gate_only"},"self_delay":{"mode":"piggyback","self_store":true,"ready_delay_ns":50000},"delay":{"mode":"piggyback","ready_delay_ns":50000},"done":{"mode":"piggyback","signal":"done"}}' \
-        2>&1 | tee "$OUT/fareadyspans.log" ;;
-    fawalk)
-      # The crossed tile walk (flash_a2a.mapping.tile_halves) beside the default walk at M = $FADIAG_SEQ: fused and
-      # self-store columns of both, FA-only in the crossed walk, and the ready-wait control ("done").
-      FADIAG_SEQ=${FADIAG_SEQ:-8192 16384 32768} protocol_diag fused_walk fawalk '{"cross":{"mode":"piggyback","cross_halves":true},"self":{"mode":"piggyback","self_store":true},"self_cross":{"mode":"piggyback","self_store":true,"cross_halves":true},"done":{"mode":"piggyback","signal":"done"},"xfa":{"cross_halves":true}}' ;;
-    fareadywait)
-      # Where the ready wait runs (ready_wait): the idle warp with relaxed polls and one fence (default), with
-      # acquire polls, or thread 0 of each storing warpgroup before its first stores; beside no ready wait ("done").
-      FADIAG_SEQ=${FADIAG_SEQ:-8192 16384 32768} protocol_diag fused_ready_wait fareadywait '{"epi":{"mode":"piggyback","ready_wait":"epilogue"},"acquire":{"mode":"piggyback","ready_wait":"warp_acquire"},"done":{"mode":"piggyback","signal":"done"},"self":{"mode":"piggyback","self_store":true},"self_epi":{"mode":"piggyback","self_store":true,"ready_wait":"epilogue"}}' ;;
-    fagputests)
-      timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -x -rs -m "gpu or multigpu" tests/test_flash_attention.py \
-        tests/test_flash_a2a_scatter.py 2>&1 | tee "$OUT/pytest_fa_gpu.log" ;;
-    fapaced)
-      # store="paced" (a tile's stores spread over the next tile's Q-loop) beside the default burst epilogue,
-      # at M = $FADIAG_SEQ: pace 1 and 2 KV blocks per vector, pin_softmax 34 and 40 (53 of 66 exponentials
-      # ahead of the PV wait with the in-loop stores, the nearest to the default's 51), and the self-store control of
-      # the burst and the paced epilogue (what NVLink adds to each).
-      protocol_diag fused_paced fapaced '{"paced":{"mode":"piggyback","store":"paced"},"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"paced34":{"mode":"piggyback","store":"paced","pin_softmax":34},"paced40":{"mode":"piggyback","store":"paced","pin_softmax":40},"self":{"mode":"piggyback","self_store":true},"self_paced":{"mode":"piggyback","self_store":true,"store":"paced"}}' ;;
-    faearly)
-      # early_done (a measured alternative): a CTA with a local tail tile raises its peers' data flags from the
-      # idle warp once its last peer stores are out, under the tail tile's compute, leaving a GPU-scope fence
-      # and its own flag on the last path; beside the default (every flag at the end), with and without
-      # NVLink, and the paced epilogue at pin_softmax 40 (53 of 66 exponentials ahead of the PV wait).
-      # (fused_early_89dce51.json ran with early_done the default: its "late" columns are today's default.)
-      FADIAG_SEQ=${FADIAG_SEQ:-8192 16384} protocol_diag fused_early faearly '{"early":{"mode":"piggyback","early_done":true},"self":{"mode":"piggyback","self_store":true},"self_early":{"mode":"piggyback","self_store":true,"early_done":true},"paced40":{"mode":"piggyback","store":"paced","pin_softmax":40},"self_paced40":{"mode":"piggyback","self_store":true,"store":"paced","pin_softmax":40}}' ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)
