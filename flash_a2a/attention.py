@@ -45,7 +45,7 @@ from quack.cute_dsl_utils import ParamsBase
 
 from cute_kernels.flags import nanosleep
 from flash_a2a.epoch import announce_ready, await_all_ready, await_ready_here, publish_done, publish_peers_done
-from flash_a2a.mapping import early_done_tile, final_tile, tile_coords, tile_halves  # the kernel's tile walks, shared with the host
+from flash_a2a.mapping import early_done_arrival, tile_coords, tile_halves  # the kernel's tile walks, shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
 STORES = ("st", "bulk", "tma", "paced")
@@ -225,9 +225,9 @@ class FlashAttentionA2AForward:
         # the idle warp fences and raises the peers' flags while the warpgroups run that tile's epilogue, so
         # the fence overlaps no Q-loop. Slower still (fused_early_0eeed06.json: +6.6/+14.9/+16.2/+31.1 µs
         # against the default's +4.9/+9.7/+11.8/+6.0; self-store +3.2/+7.8/+6.4/+27.9 against
-        # +1.8/+2.2/+1.5/+2.0): a system fence is cheapest where nothing else runs, at the end. Never with the paced/bulk/tma epilogues (their stores are still in
-        # flight after the epilogue) or the crossed walk (the extra epilogue test moved ptxas's mainloop
-        # schedule there to 61 of 66).
+        # +1.8/+2.2/+1.5/+2.0): a system fence is cheapest where nothing else runs, at the end. Never with the
+        # paced/bulk/tma epilogues (their stores are still in flight after the epilogue) or the crossed walk
+        # (the extra epilogue test moved ptxas's mainloop schedule there to 61 of 66).
         if early_done is True:
             early_done = "pre_tail"
         if early_done not in (False, "pre_tail", "last_epilogue"):
@@ -425,11 +425,10 @@ class FlashAttentionA2AForward:
                                 spans[row, 0] = t_start
                                 spans[row, 1] = cute.arch.globaltimer()
                     if const_expr(self.early_done):
-                        early, t_last = early_done_tile(bidx, grid, n_tiles, world)
+                        early, tile = early_done_arrival(bidx, grid, n_tiles, world,
+                                                         self.early_done == "last_epilogue")
                         if early != 0:
-                            # the MMA warpgroups have stored tile t_last ("pre_tail"), or finished the final
-                            # tile's Q-loop ("last_epilogue"; every earlier tile stored)
-                            if t_last >= 0 or const_expr(self.early_done == "last_epilogue"):
+                            if tile >= 0:  # the MMA warpgroups arrive at that tile (early_done_arrival)
                                 cute.arch.barrier(barrier_id=EARLY_BARRIER, number_of_threads=DONE_THREADS)
                             publish_peers_done(flag_ptrs, rank, world, grid, bidx, tidx % 32, self.done_fence)
                     # the CTA's completion waits for this warp too: it must read the epoch before it advances
@@ -706,10 +705,8 @@ class FlashAttentionA2AForward:
         peers_done = Int32(0)
         early_tile = Int32(-1)
         if const_expr(self.early_done):
-            peers_done, t_last = early_done_tile(Int32(bidx), Int32(grid), n_tiles, world)
-            if const_expr(self.early_done == "last_epilogue"):
-                t_last = final_tile(Int32(bidx), Int32(grid), n_tiles)
-            early_tile = peers_done * (t_last + 1) - 1  # never a tile index unless the idle warp waits for it
+            peers_done, early_tile = early_done_arrival(Int32(bidx), Int32(grid), n_tiles, world,
+                                                        self.early_done == "last_epilogue")
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):

@@ -77,6 +77,18 @@ def final_tile(bidx, grid, n_tiles):
     return bidx + (cutlass_max(0, (n_tiles - bidx + grid - 1) // grid) - 1) * grid
 
 
+def early_done_arrival(bidx, grid, n_tiles, world, last_epilogue: bool):
+    """The attention kernel's ``early_done`` plan for CTA ``bidx``, one source for both sides of its named
+    barrier: (early, tile). early = 1: the idle warp raises the peers' flags before the CTA's end, once the
+    MMA warpgroups arrive at tile ``tile`` (after its stores, or with ``last_epilogue`` after its Q-loop:
+    then the CTA's final tile); a negative ``tile``: nothing to wait for. early = 0: tile = -1, every flag
+    at the end. Ints or DSL Int32 (``last_epilogue`` a compile-time bool)."""
+    early, t_last = early_done_tile(bidx, grid, n_tiles, world)
+    if last_epilogue:
+        t_last = final_tile(bidx, grid, n_tiles)
+    return early, early * (t_last + 1) - 1
+
+
 def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid):
     """Tile index t of the fused kernel's walk -> (m_block, local head, batch, destination rank).
 

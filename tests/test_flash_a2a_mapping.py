@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from flash_a2a.mapping import (early_done_tile, final_tile, local_tail, post_tile, pre_destination, pre_tile, reference_pre_a2a, tile_coords,
+from flash_a2a.mapping import (early_done_arrival, early_done_tile, final_tile, local_tail, post_tile, pre_destination, pre_tile, reference_pre_a2a, tile_coords,
                                tile_halves,
                                 check_ulysses_shapes, destination, reference_post_a2a)
 
@@ -120,6 +120,9 @@ def test_early_done_tile_is_each_ctas_last_peer_store(world):
             if early:
                 assert t_last == (pre[-1] if pre else bidx - grid)
                 assert all(d == rank for t, d in zip(mine, dests) if t > t_last), "a peer store after t_last"
+            # the kernel's plan (both sides of its named barrier): the tile the warpgroups arrive at, if any
+            assert early_done_arrival(bidx, grid, n_tiles, world, False) == (early, t_last if early else -1)
+            assert early_done_arrival(bidx, grid, n_tiles, world, True) == (early, mine[-1] if early else -1)
 
 
 def _walk(inputs, out_shape, n_tiles, tile_fn, destination_fn, reference):
