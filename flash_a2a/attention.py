@@ -134,7 +134,8 @@ class FlashAttentionA2AForward:
                  sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
-                 cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False):
+                 cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
+                 peel_drip: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -166,6 +167,12 @@ class FlashAttentionA2AForward:
         if not (isinstance(pace_kv, int) and 1 <= pace_kv <= 8):
             raise ValueError(f"pace_kv must be an int in 1..8 (KV blocks per stored vector), got {pace_kv!r}")
         self.pace_kv = pace_kv
+        # peel_drip (store="paced"): run the KV blocks that carry a vector of the previous tile in a loop of
+        # their own before the plain overlapped loop, instead of predicating a store inside the one loop
+        # (whose code moved ptxas's schedule of the whole mainloop).
+        if peel_drip and store != "paced":
+            raise ValueError("peel_drip=True peels the paced stores' KV blocks: use it with store='paced'")
+        self.peel_drip = bool(peel_drip)
         # cross_halves: the "crossed" tile walk (flash_a2a.mapping.tile_halves): the two MMA warpgroups of a tile
         # take 64-row blocks of different ranks' slices (Q comes in two 64-row TMA loads), so a tile sends at
         # most half of itself to a peer, and the remote tiles are spread evenly over the rounds before the
@@ -633,7 +640,20 @@ class FlashAttentionA2AForward:
         acc_o.fill(0.0)
         pending_scale = cute.make_fragment_like(softmax.row_max, Float32)  # rescale_before_pv: not yet applied
         pending_scale.fill(1.0)
-        if const_expr(drip is not None):
+        if const_expr(drip is not None and self.peel_drip):
+            # store="paced", peeled: the blocks that carry a vector run in a loop of their own, so the rest of
+            # the Q-loop is the plain overlapped loop (no store in its body, its own ptxas schedule)
+            n_drip = n_groups * self.pace_kv
+            for i in cutlass.range(n_drip, unroll=1):
+                kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
+                                                 tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg,
+                                                 drip, i, n_groups)
+            for _ in cutlass.range(n_drip, n_kv - 1, unroll=1):
+                kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
+                                                 tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg)
+            for c in cutlass.range(n_groups, n_pending, unroll=1):  # what the loop had too few blocks for
+                self.store_chunk(*drip, c)
+        elif const_expr(drip is not None):
             # store="paced": the previous tile's rows leave sO one vector per thread every pace_kv blocks
             for i in cutlass.range(n_kv - 1, unroll=1):
                 kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,

@@ -163,6 +163,22 @@ def test_paced_stores_issue_inside_the_q_loop(tmp_path):
         FlashAttentionA2AForward(head_dim=128, mode="piggyback", store="paced", n_dst=2, pace_kv=0)
 
 
+def test_peeled_paced_stores_leave_the_plain_loop_store_free(tmp_path):
+    """store="paced", peel_drip=True: two KV-block loops of 16 HGMMAs each; the one that carries the
+    previous tile's vectors holds the 128-bit global store, the plain one none. Without paced stores the
+    knob is refused."""
+    from cute_kernels.compile import sass_loop
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    text = _sass(_compile(tmp_path, head_dim=128, mode="piggyback", store="paced", peel_drip=True, n_dst=2))
+    assert "STL" not in text and "LDL" not in text
+    with_store = sass_loop(text, lambda b: sum("HGMMA" in x for x in b) == 16 and any("STG.E.128" in x for x in b))
+    plain = sass_loop(text, lambda b: sum("HGMMA" in x for x in b) == 16 and not any("STG" in x for x in b))
+    assert with_store is not None and plain is not None
+    with pytest.raises(ValueError, match="peel_drip"):
+        FlashAttentionA2AForward(head_dim=128, mode="piggyback", n_dst=2, peel_drip=True)
+
+
 def test_fused_mainloop_schedules_like_local(tmp_path):
     """The fused epilogues must not change how ptxas schedules the shared mainloop: the same count of
     exponentials and FFMAs ahead of the PV wait as in the local kernel. (Holding S/P live across the
@@ -303,6 +319,7 @@ def _worker(rank, world, init_file, path):
                  ("completion_coupled", {"store": "bulk"}), ("piggyback", {"store": "tma"}),
                  ("completion_coupled", {"store": "tma"}), ("piggyback", {"store": "paced"}),
                  ("piggyback", {"store": "paced", "pace_kv": 2}),
+                 ("piggyback", {"store": "paced", "peel_drip": True}),
                  ("piggyback", {"cross_halves": True}), ("completion_coupled", {"cross_halves": True}),
                  ("piggyback", {"cross_halves": True, "store": "paced"}),
                  ("piggyback", {"cross_halves": False}), ("piggyback", {"ready_wait": "epilogue"}),
@@ -313,7 +330,7 @@ def _worker(rank, world, init_file, path):
         # paths (no tail tile; a tail tile and nothing before it)
         multi_round = (("piggyback", {}), ("piggyback", {"early_done": True}),
                        ("completion_coupled", {"early_done": True}), ("piggyback", {"early_done": "last_epilogue"}),
-                       ("piggyback", {"store": "paced"}))
+                       ("piggyback", {"store": "paced"}), ("piggyback", {"store": "paced", "peel_drip": True}))
         for shape, variants in [((1, 1024, 2, 128), every), ((2, 2048, 3, 128), every), ((1, 512, 1, 64), every),
                                 ((2, 4096, 3, 128), multi_round)]:
             for mode, knobs in variants:
@@ -392,7 +409,7 @@ def _worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_matches_local_plus_reference_a2a(tmp_path):
     for res in run_ranks(_worker, tmp_path):
-        assert res["checked"] == 2 * (3 * 16 + 5) + 3  # two draws per (shape, variant), three graph replays
+        assert res["checked"] == 2 * (3 * 17 + 6) + 3  # two draws per (shape, variant), three graph replays
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"

@@ -106,6 +106,11 @@ for stage in $stages; do
       # ahead of the PV wait with the in-loop stores, the nearest to the default's 51), and the self-store control of
       # the burst and the paced epilogue (what NVLink adds to each).
       protocol_diag fused_paced fapaced '{"paced":{"mode":"piggyback","store":"paced"},"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"paced34":{"mode":"piggyback","store":"paced","pin_softmax":34},"paced40":{"mode":"piggyback","store":"paced","pin_softmax":40},"self":{"mode":"piggyback","self_store":true},"self_paced":{"mode":"piggyback","self_store":true,"store":"paced"}}' ;;
+    fapeel)
+      # store="paced" with the vector-carrying KV blocks peeled into a loop of their own (peel_drip), so the
+      # plain overlapped loop holds no store, beside the predicated paced loop and the default burst, with the
+      # self-store controls (what NVLink adds to each), at M = $FADIAG_SEQ.
+      FADIAG_SEQ=${FADIAG_SEQ:-8192 16384} protocol_diag fused_peel fapeel '{"paced":{"mode":"piggyback","store":"paced"},"peel":{"mode":"piggyback","store":"paced","peel_drip":true},"peel2":{"mode":"piggyback","store":"paced","peel_drip":true,"pace_kv":2},"self":{"mode":"piggyback","self_store":true},"self_peel":{"mode":"piggyback","self_store":true,"store":"paced","peel_drip":true}}' ;;
     faearly)
       # early_done (a measured alternative): a CTA with a local tail tile raises its peers' data flags from the
       # idle warp once its peer stores are out, leaving a GPU-scope fence and its own flag on the last path:
