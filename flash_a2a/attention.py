@@ -135,7 +135,7 @@ class FlashAttentionA2AForward:
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
-                 peel_drip: bool = False):
+                 peel_drip: bool = False, q_stages: int = 1):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -173,6 +173,16 @@ class FlashAttentionA2AForward:
         if peel_drip and store != "paced":
             raise ValueError("peel_drip=True peels the paced stores' KV blocks: use it with store='paced'")
         self.peel_drip = bool(peel_drip)
+        # q_stages: Q buffers in shared memory. 1: the next tile's Q loads once both MMA warpgroups are done
+        # with this tile's last QKᵀ, so a warpgroup that finishes its epilogue first may wait for it at the tile
+        # boundary; 2: the producer loads the next tile's Q a tile ahead (192 KiB + 32 KiB of shared memory,
+        # so only with the "st"/"paced" epilogues' unpadded sO, not the crossed walk's two 64-row Q loads).
+        if q_stages not in (1, 2):
+            raise ValueError(f"q_stages must be 1 or 2, got {q_stages!r}")
+        if q_stages == 2 and (store not in ("st", "paced") or cross_halves):
+            raise ValueError("q_stages=2 needs store='st' or 'paced' and cross_halves=False (shared memory and "
+                             "the 128-row Q load)")
+        self.q_stages = q_stages
         # cross_halves: the "crossed" tile walk (flash_a2a.mapping.tile_halves): the two MMA warpgroups of a tile
         # take 64-row blocks of different ranks' slices (Q comes in two 64-row TMA loads), so a tile sends at
         # most half of itself to a peer, and the remote tiles are spread evenly over the rounds before the
@@ -319,7 +329,12 @@ class FlashAttentionA2AForward:
         tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
-        sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
+        if const_expr(self.q_stages > 1):
+            sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d), self.q_stages)
+            sQ_one = cute.select(sQ_layout, mode=[0, 1])
+        else:
+            sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
+            sQ_one = sQ_layout
         sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.num_stages)
         sV_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.num_stages)
         if const_expr(self.store == "bulk"):
@@ -331,7 +346,7 @@ class FlashAttentionA2AForward:
             tma_q, gQ_tma = cpasync.make_tiled_tma_atom(
                 load_op, mQt, sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (64, d)), (64, d))
         else:
-            tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_layout, (TILE_M, d))
+            tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_one, (TILE_M, d))
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(load_op, mKt, cute.select(sK_layout, mode=[0, 1]),
                                                     (TILE_N, d), 1)
         tma_v, gV_tma = cpasync.make_tiled_tma_atom(load_op, mVt, cute.select(sV_layout, mode=[0, 1]),
@@ -342,12 +357,12 @@ class FlashAttentionA2AForward:
             made = [cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), layout_utils.select(t, sel),
                                                 sO_half, (64, d)) for t in dsts]
             tma_os, gO_tmas = tuple(m[0] for m in made), tuple(m[1] for m in made)
-        tx_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        tx_q = cute.size_in_bytes(self.dtype, sQ_one)
         tx_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[Int64, 2]
+            mbar_q: cute.struct.MemRange[Int64, 2 * self.q_stages]
             mbar_k: cute.struct.MemRange[Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[Int64, 2 * self.num_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -383,7 +398,7 @@ class FlashAttentionA2AForward:
         storage = smem.allocate(SharedStorage)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4)
-        pipe_q = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
+        pipe_q = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages,
                                                   producer_group=one_thread, consumer_group=mma_warps,
                                                   tx_count=tx_q, defer_sync=True)
         pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_k.data_ptr(),
@@ -455,7 +470,7 @@ class FlashAttentionA2AForward:
     def producer(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, n_tiles, n_kv,
                  n_mb_per_rank, h_loc, rank, world, bidx, grid):
         d = self.head_dim
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
             if const_expr(self.cross_halves):
@@ -464,9 +479,16 @@ class FlashAttentionA2AForward:
                 load_q = self.q_halves_loader(tma_q, mQ[None, None, h, bb], sQ, hb0, hb1)
             else:
                 m_block, h, bb, _ = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid))
-                gQ = cute.local_tile(mQ[None, None, h, bb], (TILE_M, d), (m_block, 0))
-                load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ,
-                                                          single_stage=True)
+                if const_expr(self.q_stages > 1):  # a Q buffer per stage: the load names its block and buffer
+                    gQ = cute.local_tile(mQ[None, None, h, bb], (TILE_M, d), (None, 0))
+                    load_q_staged, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ)
+
+                    def load_q(tma_bar_ptr):
+                        load_q_staged(src_idx=m_block, dst_idx=q_state.index, tma_bar_ptr=tma_bar_ptr)
+                else:
+                    gQ = cute.local_tile(mQ[None, None, h, bb], (TILE_M, d), (m_block, 0))
+                    load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ,
+                                                              single_stage=True)
             gK = cute.local_tile(mK[None, None, h, bb], (TILE_N, d), (None, 0))
             gV = cute.local_tile(mV[None, None, h, bb], (TILE_N, d), (None, 0))
             load_k, _, _ = copy_utils.tma_get_copy_fn(tma_k, 0, cute.make_layout(1), gK, sK)
@@ -727,7 +749,7 @@ class FlashAttentionA2AForward:
         if const_expr(self.early_done):
             peers_done, early_tile = early_done_arrival(Int32(bidx), Int32(grid), n_tiles, world,
                                                         self.early_done == "last_epilogue")
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
             if const_expr(self.cross_halves):
@@ -739,21 +761,24 @@ class FlashAttentionA2AForward:
                 m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid))
             softmax = OnlineSoftmax.create(scale_log2, cute.size(layout_utils.reshape_acc_to_mn(acc_o), mode=[0]))
             pipe_q.consumer_wait(q_state)
+            tSrQ_t = tSrQ
+            if const_expr(self.q_stages > 1):
+                tSrQ_t = tSrQ[None, None, None, q_state.index]
             if const_expr(paced):
                 n_groups = cutlass.min(Int32(chunks), (n_kv - 1) // self.pace_kv) * pend  # vectors sent in the loop
-                kv_state = self.q_loop_overlapped(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                kv_state = self.q_loop_overlapped(softmax, acc_o, tOrP, tSrQ_t, tSrK, tOrVt, tiled_mma_qk,
                                                   tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_kv,
                                                   wg, (g_copy, thr_g, tGsO, pend_addr, heads), n_groups,
                                                   pend * chunks)
             elif const_expr(self.overlap):
-                kv_state = self.q_loop_overlapped(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                kv_state = self.q_loop_overlapped(softmax, acc_o, tOrP, tSrQ_t, tSrK, tOrVt, tiled_mma_qk,
                                                   tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_kv,
                                                   wg)
             else:
-                kv_state = self.kv_block(True, softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                kv_state = self.kv_block(True, softmax, acc_o, tOrP, tSrQ_t, tSrK, tOrVt, tiled_mma_qk,
                                          tiled_mma_pv, pipe_k, pipe_v, kv_state)
                 for _ in cutlass.range(n_kv - 1, unroll=1):
-                    kv_state = self.kv_block(False, softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                    kv_state = self.kv_block(False, softmax, acc_o, tOrP, tSrQ_t, tSrK, tOrVt, tiled_mma_qk,
                                              tiled_mma_pv, pipe_k, pipe_v, kv_state)
                 pipe_q.consumer_release(q_state)
             q_state.advance()

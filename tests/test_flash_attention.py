@@ -292,6 +292,14 @@ def test_tile_order_and_mainloop_variants_agree():
                     {"store": "tma", "pin_softmax": 34}):
         assert torch.equal(flash_attention(q, k, v, **variant), base), variant
     assert rel_err(flash_attention(q, k, v, overlap=False), reference_attention(q, k, v)) <= 1e-2
+    # q_stages=2 (the next tile's Q a tile ahead): its buffers alternate only when a CTA has several tiles,
+    # so also at 576 tiles (4.4 rounds on 132 SMs), in the fused order too
+    big = [torch.randn(2, 4096, 9, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    for qkv in ((q, k, v), big):
+        ref = flash_attention(*qkv)
+        for variant in ({"q_stages": 2}, {"q_stages": 2, "tile_order_world": 2, "tile_order_rank": 1}):
+            out = torch.full_like(ref, float("nan"))
+            assert torch.equal(flash_attention(*qkv, out=out, **variant), ref), variant
 
 
 @pytest.mark.gpu
@@ -324,13 +332,14 @@ def _worker(rank, world, init_file, path):
                  ("piggyback", {"cross_halves": True, "store": "paced"}),
                  ("piggyback", {"cross_halves": False}), ("piggyback", {"ready_wait": "epilogue"}),
                  ("piggyback", {"ready_wait": "warp_acquire"}), ("piggyback", {"early_done": True}),
-                 ("piggyback", {"early_done": "last_epilogue"}))
+                 ("piggyback", {"early_done": "last_epilogue"}), ("piggyback", {"q_stages": 2}))
         # (2, 4096, 3, 128): 192 tiles on 132 SMs, so with early_done CTAs 0..59 have a local tail tile and
         # raise their peers' flags after an earlier tile's stores; the shapes of one round only take its other
         # paths (no tail tile; a tail tile and nothing before it)
         multi_round = (("piggyback", {}), ("piggyback", {"early_done": True}),
                        ("completion_coupled", {"early_done": True}), ("piggyback", {"early_done": "last_epilogue"}),
-                       ("piggyback", {"store": "paced"}), ("piggyback", {"store": "paced", "peel_drip": True}))
+                       ("piggyback", {"store": "paced"}), ("piggyback", {"store": "paced", "peel_drip": True}),
+                       ("piggyback", {"q_stages": 2}), ("completion_coupled", {"q_stages": 2}))
         for shape, variants in [((1, 1024, 2, 128), every), ((2, 2048, 3, 128), every), ((1, 512, 1, 64), every),
                                 ((2, 4096, 3, 128), multi_round)]:
             for mode, knobs in variants:
@@ -409,7 +418,7 @@ def _worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_matches_local_plus_reference_a2a(tmp_path):
     for res in run_ranks(_worker, tmp_path):
-        assert res["checked"] == 2 * (3 * 17 + 6) + 3  # two draws per (shape, variant), three graph replays
+        assert res["checked"] == 2 * (3 * 18 + 8) + 3  # two draws per (shape, variant), three graph replays
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"
@@ -471,3 +480,23 @@ def test_fused_waits_for_a_slow_receiver(tmp_path):
         for r in res:
             assert r["snapshot_kept"], r
             assert r["next_exact"], r
+
+
+def test_double_buffered_q_compiles_and_keeps_the_mainloop_schedule(tmp_path):
+    """q_stages=2 (the next tile's Q loaded a tile ahead): compiles with WGMMA for local and fused modes,
+    with the same softmax window in its KV loop as the single-buffered kernel; combinations whose shared
+    memory or Q loads do not fit are refused."""
+    from cute_kernels.compile import softmax_overlap
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    windows = {}
+    for name, kw in (("one", {}), ("two", {"q_stages": 2})):
+        c = _compile(tmp_path / name, head_dim=128, mode="piggyback", n_dst=2, **kw)
+        assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16") >= 16
+        windows[name] = softmax_overlap(_sass(c))
+    assert windows["one"] == windows["two"], windows
+    c = _compile(tmp_path / "local", head_dim=64, mode="local", q_stages=2)
+    assert c.ptx_count(r"wgmma\.mma_async") >= 8
+    for bad in ({"store": "bulk"}, {"store": "tma"}, {"cross_halves": True}, {"q_stages": 3}):
+        with pytest.raises(ValueError, match="q_stages"):
+            FlashAttentionA2AForward(head_dim=128, mode="piggyback", n_dst=2, **{"q_stages": 2, **bad})

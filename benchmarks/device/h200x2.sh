@@ -106,6 +106,15 @@ for stage in $stages; do
       # ahead of the PV wait with the in-loop stores, the nearest to the default's 51), and the self-store control of
       # the burst and the paced epilogue (what NVLink adds to each).
       protocol_diag fused_paced fapaced '{"paced":{"mode":"piggyback","store":"paced"},"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"paced34":{"mode":"piggyback","store":"paced","pin_softmax":34},"paced40":{"mode":"piggyback","store":"paced","pin_softmax":40},"self":{"mode":"piggyback","self_store":true},"self_paced":{"mode":"piggyback","self_store":true,"store":"paced"}}' ;;
+    faq2)
+      # q_stages=2 (the next tile's Q loaded a tile ahead, so no warpgroup waits for it at a tile boundary)
+      # beside the default, FA-only and fused, and FA4, at M = $FADIAG_SEQ, 8 rounds, 32 adjacent pairs each.
+      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_q2.json" \
+        --seq-lens ${FADIAG_SEQ:-8192 16384 32768} --replays 8 --alternate-pairs 32 --alternate-min-us 0 --no-spans \
+        --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned \
+        fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused_cc \
+        fused_visible serial_fa4_nccl --variants '{"q2":{"q_stages":2},"pbq2":{"mode":"piggyback","q_stages":2}}' \
+        2>&1 | tee "$OUT/faq2.log" ;;
     fapeel)
       # store="paced" with the vector-carrying KV blocks peeled into a loop of their own (peel_drip), so the
       # plain overlapped loop holds no store, beside the predicated paced loop and the default burst, with the
