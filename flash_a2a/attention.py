@@ -135,7 +135,7 @@ class FlashAttentionA2AForward:
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
-                 peel_drip: bool = False, q_stages: int = 1):
+                 peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -183,6 +183,12 @@ class FlashAttentionA2AForward:
             raise ValueError("q_stages=2 needs store='st' or 'paced' and cross_halves=False (shared memory and "
                              "the 128-row Q load)")
         self.q_stages = q_stages
+        # smem_pad_kib (a benchmark control): unused shared memory added to the CTA's, which moves the SM's
+        # shared-memory/L1 split (192 KiB of buffers take the 196 KB carveout, 60 KB of L1 left; past ~195 KiB
+        # the 228 KB one, 28 KB of L1), to tell what a larger footprint costs apart from what fills it.
+        if not (isinstance(smem_pad_kib, int) and 0 <= smem_pad_kib <= 32):
+            raise ValueError(f"smem_pad_kib must be an int in 0..32, got {smem_pad_kib!r}")
+        self.smem_pad_kib = smem_pad_kib
         # cross_halves: the "crossed" tile walk (flash_a2a.mapping.tile_halves): the two MMA warpgroups of a tile
         # take 64-row blocks of different ranks' slices (Q comes in two 64-row TMA loads), so a tile sends at
         # most half of itself to a peer, and the remote tiles are spread evenly over the rounds before the
@@ -370,10 +376,20 @@ class FlashAttentionA2AForward:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
 
+        if const_expr(self.smem_pad_kib > 0):
+            @cute.struct
+            class PaddedStorage:
+                main: SharedStorage
+                pad: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, self.smem_pad_kib * 1024], 1024]
+
+            Storage = PaddedStorage
+        else:
+            Storage = SharedStorage
+
         scale_log2 = softmax_scale * Float32(math.log2(math.e))
         self.kernel(gQ_tma, gK_tma, gV_tma, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans,
                     tma_os, gO_tmas, tma_q, tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk,
-                    tiled_mma_pv, tx_q, tx_kv, scale_log2, rank, world, timeout_ns, SharedStorage).launch(
+                    tiled_mma_pv, tx_q, tx_kv, scale_log2, rank, world, timeout_ns, Storage).launch(
             grid=(grid, 1, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -396,6 +412,8 @@ class FlashAttentionA2AForward:
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
+        if const_expr(self.smem_pad_kib > 0):
+            storage = storage.main
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4)
         pipe_q = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages,

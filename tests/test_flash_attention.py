@@ -500,3 +500,9 @@ def test_double_buffered_q_compiles_and_keeps_the_mainloop_schedule(tmp_path):
     for bad in ({"store": "bulk"}, {"store": "tma"}, {"cross_halves": True}, {"q_stages": 3}):
         with pytest.raises(ValueError, match="q_stages"):
             FlashAttentionA2AForward(head_dim=128, mode="piggyback", n_dst=2, **{"q_stages": 2, **bad})
+    # the shared-memory padding control compiles to the same KV loop
+    padded = softmax_overlap(_sass(_compile(tmp_path / "pad", head_dim=128, mode="piggyback", n_dst=2,
+                                            smem_pad_kib=32)))
+    assert padded == windows["one"]
+    with pytest.raises(ValueError, match="smem_pad_kib"):
+        FlashAttentionA2AForward(head_dim=128, smem_pad_kib=64)

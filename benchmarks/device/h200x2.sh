@@ -115,6 +115,15 @@ for stage in $stages; do
         fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused_cc \
         fused_visible serial_fa4_nccl --variants '{"q2":{"q_stages":2},"pbq2":{"mode":"piggyback","q_stages":2}}' \
         2>&1 | tee "$OUT/faq2.log" ;;
+    fapad)
+      # FA-only with 32 KiB of unused shared memory (smem_pad_kib, the 228 KB carveout instead of 196 KB: 28 KB
+      # of L1 instead of 60) beside the default and FA4: what the footprint alone costs (q_stages=2 takes that
+      # carveout too), at M = $FADIAG_SEQ, 8 rounds, 32 adjacent pairs each.
+      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_pad.json" \
+        --seq-lens ${FADIAG_SEQ:-8192 16384 32768} --replays 8 --alternate-pairs 32 --alternate-min-us 0 --no-spans \
+        --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned \
+        fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused fused_cc \
+        fused_visible serial_fa4_nccl --variants '{"pad32":{"smem_pad_kib":32}}' 2>&1 | tee "$OUT/fapad.log" ;;
     fapeel)
       # store="paced" with the vector-carrying KV blocks peeled into a loop of their own (peel_drip), so the
       # plain overlapped loop holds no store, beside the predicated paced loop and the default burst, with the
