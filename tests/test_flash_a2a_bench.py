@@ -146,6 +146,12 @@ def test_alternated_residuals_replace_round_paired_ones_for_every_fused_column()
     apply_alternated(row, cols)
     assert abs(row["fa4_over_ours_paired"] - (t_ours + diff) / t_ours) < 1e-12
     assert abs(row["speedup_fused_over_serial_fa4_nccl_paired"] - (t_fused + gap) / t_fused) < 1e-12
+    assert "fused_over_fa4_paired" not in row  # needs the fused-against-ours pair's kernel times too
+    e_res = rng.uniform(-50, 50)
+    row["alternated"]["fused_minus_fa_ours"] = {"first_median_us": t_ours * 1.01, "median_us": e_res}
+    apply_alternated(row, cols)
+    expected = ((t_ours * 1.01 + e_res) / (t_ours * 1.01)) / ((t_ours + diff) / t_ours)  # T_fused / T_FA4
+    assert abs(row["fused_over_fa4_paired"] - expected) < 1e-12
     short = {"fused_E_res_us": 3.0}  # short kernels: no alternated block, nothing replaced
     apply_alternated(short, cols)
     assert short == {"fused_E_res_us": 3.0}
