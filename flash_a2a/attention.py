@@ -135,7 +135,7 @@ class FlashAttentionA2AForward:
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
-                 peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0):
+                 peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -189,6 +189,9 @@ class FlashAttentionA2AForward:
         if not (isinstance(smem_pad_kib, int) and 0 <= smem_pad_kib <= 32):
             raise ValueError(f"smem_pad_kib must be an int in 0..32, got {smem_pad_kib!r}")
         self.smem_pad_kib = smem_pad_kib
+        # try_wait (a mainloop-order knob): each K/V wait of the Q-loop first probes the stage's barrier
+        # (mbarrier.try_wait, FA4's consumer_try_wait token) and only then blocks, as FA4's SM90 loop does.
+        self.try_wait = bool(try_wait)
         # cross_halves: the "crossed" tile walk (flash_a2a.mapping.tile_halves): the two MMA warpgroups of a tile
         # take 64-row blocks of different ranks' slices (Q comes in two 64-row TMA loads), so a tile sends at
         # most half of itself to a peer, and the remote tiles are spread evenly over the rounds before the
@@ -604,6 +607,13 @@ class FlashAttentionA2AForward:
         cute.autovec_copy(src, vec)
         cute.copy(g_copy, vec, thr_g.partition_D(g_dst)[None, chunk, None])
 
+    def wait_stage(self, pipe, state):
+        """Wait for a K or V stage of the overlapped Q-loop (``try_wait``: probe first, FA4's pattern)."""
+        if const_expr(self.try_wait):
+            pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+        else:
+            pipe.consumer_wait(state)
+
     @cute.jit
     def overlapped_block(self, softmax: OnlineSoftmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
                          tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg, drip=None, block=None,
@@ -614,13 +624,13 @@ class FlashAttentionA2AForward:
         other = 1 - wg
         kv_v = kv_state.clone()
         kv_state.advance()
-        pipe_k.consumer_wait(kv_state)
+        self.wait_stage(pipe_k, kv_state)
         cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
         acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
                                           wg_wait=-1)
         if const_expr(self.rescale_before_pv):
             softmax.rescale(acc_o, pending_scale)
-        pipe_v.consumer_wait(kv_v)
+        self.wait_stage(pipe_v, kv_v)
         sm90_utils.gemm_w_idx(tiled_mma_pv, acc_o, tOrP, tOrVt, zero_init=False, B_idx=kv_v.index, wg_wait=-1)
         cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + other, number_of_threads=2 * WG_THREADS)
         if const_expr(drip is not None):
@@ -666,7 +676,7 @@ class FlashAttentionA2AForward:
         vectors [0, n_groups) go out in the loop and [n_groups, n_pending) after it."""
         other = 1 - wg
         # first block: S only
-        pipe_k.consumer_wait(kv_state)
+        self.wait_stage(pipe_k, kv_state)
         if const_expr(self.sync_first_block):
             cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
         acc_s0 = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
@@ -710,7 +720,7 @@ class FlashAttentionA2AForward:
         # Q is no longer read: let the producer load the next tile's Q under the last PV and the epilogue.
         pipe_q.consumer_release(q_state)
         # last block's PV
-        pipe_v.consumer_wait(kv_state)
+        self.wait_stage(pipe_v, kv_state)
         sm90_utils.gemm_w_idx(tiled_mma_pv, acc_o, tOrP, tOrVt, zero_init=False, B_idx=kv_state.index, wg_wait=0)
         pipe_v.consumer_release(kv_state)
         kv_state.advance()

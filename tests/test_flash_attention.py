@@ -289,7 +289,7 @@ def test_tile_order_and_mainloop_variants_agree():
     for variant in ({"lag_v": True}, {"sync_first_block": False}, {"persistent": False}, {"pin_softmax": True},
                     {"pin_softmax": False, "rescale_before_pv": False}, {"pin_softmax": 40}, {"p_first": True},
                     {"store": "bulk"}, {"store": "bulk", "pin_softmax": 34}, {"store": "tma"},
-                    {"store": "tma", "pin_softmax": 34}):
+                    {"store": "tma", "pin_softmax": 34}, {"try_wait": True}, {"try_wait": True, "pin_softmax": 36}):
         assert torch.equal(flash_attention(q, k, v, **variant), base), variant
     assert rel_err(flash_attention(q, k, v, overlap=False), reference_attention(q, k, v)) <= 1e-2
     # q_stages=2 (the next tile's Q a tile ahead): its buffers alternate only when a CTA has several tiles,
@@ -500,6 +500,10 @@ def test_double_buffered_q_compiles_and_keeps_the_mainloop_schedule(tmp_path):
     for bad in ({"store": "bulk"}, {"store": "tma"}, {"cross_halves": True}, {"q_stages": 3}):
         with pytest.raises(ValueError, match="q_stages"):
             FlashAttentionA2AForward(head_dim=128, mode="piggyback", n_dst=2, **{"q_stages": 2, **bad})
+    # try_wait (FA4's probe-then-wait on the K/V stages) puts a second barrier test in the loop
+    tw = _sass(_compile(tmp_path / "tw", head_dim=128, mode="local", try_wait=True))
+    from cute_kernels.compile import hgmma_loop
+    assert sum("SYNCS.PHASECHK" in x for x in hgmma_loop(tw, 16)) >= 2
     # the shared-memory padding control compiles to the same KV loop
     padded = softmax_overlap(_sass(_compile(tmp_path / "pad", head_dim=128, mode="piggyback", n_dst=2,
                                             smem_pad_kib=32)))
