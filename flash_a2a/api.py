@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from cute_kernels.runtime import TORCH_TO_CUTLASS, check_error_word
 from flash_a2a.a2a import SymmetricOutput
-from flash_a2a.attention import MODES, TILE_M, FlashAttentionA2AForward
-from flash_a2a.mapping import check_ulysses_shapes
+from flash_a2a.attention import MODES, PARTIAL_FLOATS, TILE_M, TILE_N, FlashAttentionA2AForward
+from flash_a2a.mapping import check_ulysses_shapes, choose_tail_split
 
 _KERNELS: dict = {}
 DEFAULT_TIMEOUT_NS = 2_000_000_000
@@ -140,11 +140,35 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     n_tiles = (s // TILE_M) * h * b
     check_spans(spans, n_tiles, q.device)
     dm = _dummy(q.device)
+    grid = _grid(n_tiles, q.device, persistent)
+    out_ptrs = dm.i64
+    if variant.get("tail_split"):
+        if not persistent or spans is not None or d != 128:
+            raise ValueError("tail_split=True splits the persistent walk's last round (head_dim 128, no spans): "
+                             "drop persistent=False/spans or tail_split")
+        out_ptrs = _tail_split_args(q.device, n_tiles, grid, s // TILE_N)
     _kernel(q.dtype, d, "local", spans is not None, overlap, **variant)(
-        q, k, v, out, dm.i64, dm.i64, dm.i64, dm.i64, dm.i32, dm.i32, spans if spans is not None else dm.spans,
-        (out,), _scale(softmax_scale, d), tile_order_rank, tile_order_world, _grid(n_tiles, q.device, persistent),
-        DEFAULT_TIMEOUT_NS)
+        q, k, v, out, out_ptrs, dm.i64, dm.i64, dm.i64, dm.i32, dm.i32, spans if spans is not None else dm.spans,
+        (out,), _scale(softmax_scale, d), tile_order_rank, tile_order_world, grid, DEFAULT_TIMEOUT_NS)
     return out
+
+
+_TAIL_ARGS: dict = {}
+
+
+def _tail_split_args(device, n_tiles: int, grid: int, n_kv: int) -> torch.Tensor:
+    """tail_split's run-time arguments, in the local kernel's out_ptrs: [unused, float32 workspace address,
+    Int32 counters' address (one per split tile, zero between launches), chunk count k]. Allocated once per
+    (device, tiles, grid, KV blocks), so CUDA-Graph capture and replay see the same buffers."""
+    key = (device, n_tiles, grid, n_kv)
+    if key not in _TAIL_ARGS:
+        k = choose_tail_split(n_tiles, grid, n_kv)
+        tail = n_tiles % grid if k > 1 else 0
+        work = torch.empty(max(1, tail * k * 2 * 128 * PARTIAL_FLOATS), dtype=torch.float32, device=device)
+        counts = torch.zeros(max(1, tail), dtype=torch.int32, device=device)
+        args = torch.tensor([0, work.data_ptr(), counts.data_ptr(), k], dtype=torch.int64, device=device)
+        _TAIL_ARGS[key] = (args, work, counts)  # the buffers live as long as the arguments that name them
+    return _TAIL_ARGS[key][0]
 
 
 class FusedAttentionA2A:

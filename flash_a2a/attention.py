@@ -45,7 +45,8 @@ from quack.cute_dsl_utils import ParamsBase
 
 from cute_kernels.flags import nanosleep
 from flash_a2a.epoch import announce_ready, await_all_ready, await_ready_here, publish_done, publish_peers_done
-from flash_a2a.mapping import early_done_arrival, tile_coords, tile_halves  # the kernel's tile walks, shared with the host
+from flash_a2a.mapping import (early_done_arrival, tile_coords, tile_halves, tail_split_units,  # the kernel's
+                              unit_work)  # tile walks, shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
 STORES = ("st", "bulk", "tma", "paced")
@@ -60,6 +61,8 @@ READY_WAITS = ("warp", "warp_acquire", "epilogue")
 DONE_BARRIER = 6  # fused modes: the MMA warpgroups' last stores and the announcing warp, before publish_done
 DONE_THREADS = (TILE_M // 64) * WG_THREADS + 32
 EARLY_BARRIER = 7  # early_done: the MMA warpgroups' last stores to peers and the publishing warp
+TAIL_BARRIER = 3  # tail_split: both MMA warpgroups around a split unit's partial and its arrival count
+PARTIAL_FLOATS = 68  # tail_split: per thread, 64 unnormalized O values, then its two rows' max and sum
 
 
 @cute.jit
@@ -135,7 +138,8 @@ class FlashAttentionA2AForward:
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
-                 peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False):
+                 peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
+                 tail_split: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -192,6 +196,17 @@ class FlashAttentionA2AForward:
         # try_wait (a mainloop-order knob): each K/V wait of the Q-loop first probes the stage's barrier
         # (mbarrier.try_wait, FA4's consumer_try_wait token) and only then blocks, as FA4's SM90 loop does.
         self.try_wait = bool(try_wait)
+        # tail_split (local mode): the tiles of the persistent walk's last, partly empty round are split into k
+        # KV chunks (flash_a2a.mapping.tail_split_units / unit_work; k at run time, out_ptrs[n_dst + 2]), so
+        # the CTAs that would idle through that round take a share. Each chunk leaves its unnormalized O and
+        # its rows' max and sum in a float32 workspace (out_ptrs[n_dst]); the CTA whose arrival on the tile's
+        # counter (out_ptrs[n_dst + 1]) is the k-th combines them and stores the tile, then resets the counter.
+        # No CTA waits for another.
+        if tail_split and (mode != "local" or store != "st" or cross_halves or early_done or instrument
+                           or q_stages != 1 or not overlap or head_dim != 128):
+            raise ValueError("tail_split=True is built for the local kernel with head_dim=128, store='st', the "
+                             "overlapped mainloop, q_stages=1 and no cross_halves/early_done/instrument")
+        self.tail_split = bool(tail_split)
         # cross_halves: the "crossed" tile walk (flash_a2a.mapping.tile_halves): the two MMA warpgroups of a tile
         # take 64-row blocks of different ranks' slices (Q comes in two 64-row TMA loads), so a tile sends at
         # most half of itself to a peer, and the remote tiles are spread evenly over the rounds before the
@@ -445,6 +460,9 @@ class FlashAttentionA2AForward:
         rows_per_rank = seq // world
         n_mb_per_rank = rows_per_rank // TILE_M
         n_tiles = n_mb_per_rank * world * h_loc * batch
+        tail_k = None
+        if const_expr(self.tail_split):
+            tail_k = Int32(out_ptrs[self.n_dst + 2])  # the chunk count of the last round's tiles
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(24)
@@ -478,22 +496,30 @@ class FlashAttentionA2AForward:
                     cute.arch.barrier_arrive(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
             if warp_idx == 0:
                 self.producer(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, n_tiles,
-                              n_kv, n_mb_per_rank, h_loc, rank, world, bidx, grid)
+                              n_kv, n_mb_per_rank, h_loc, rank, world, bidx, grid, tail_k)
         else:
             cute.arch.setmaxregister_increase(240)
             self.consumer(mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, tma_os, gO_tmas,
                           sQ, sK, sV,
                           sO, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world,
                           timeout_ns, n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx - WG_THREADS,
-                          bidx, grid)
+                          bidx, grid, tail_k)
 
     @cute.jit
     def producer(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, n_tiles, n_kv,
-                 n_mb_per_rank, h_loc, rank, world, bidx, grid):
+                 n_mb_per_rank, h_loc, rank, world, bidx, grid, tail_k=None):
         d = self.head_dim
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
+        n_walk, full, k_split = n_tiles, n_tiles, Int32(1)
+        if const_expr(self.tail_split):
+            k_split = Int32(tail_k)
+            full, n_walk = tail_split_units(n_tiles, Int32(grid), k_split)
+        for u in cutlass.range(Int32(bidx), n_walk, Int32(grid), unroll=1):
+            t = u
+            kv0, kv1 = None, None
+            if const_expr(self.tail_split):
+                t, kv0, kv1, _, _ = unit_work(u, full, k_split, n_kv)
             if const_expr(self.cross_halves):
                 hb0, hb1, h, bb, _, _ = tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid),
                                                     True)
@@ -536,12 +562,20 @@ class FlashAttentionA2AForward:
                 pipe_q.producer_acquire(q_state)
                 load_q(tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 q_state.advance()
-                for n in cutlass.range(n_kv, unroll=1):
-                    pipe_k.producer_acquire(kv_state)
-                    load_k(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                    pipe_v.producer_acquire(kv_state)
-                    load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-                    kv_state.advance()
+                if const_expr(self.tail_split):
+                    for n in cutlass.range(kv0, kv1, unroll=1):
+                        pipe_k.producer_acquire(kv_state)
+                        load_k(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                        pipe_v.producer_acquire(kv_state)
+                        load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                        kv_state.advance()
+                else:
+                    for n in cutlass.range(n_kv, unroll=1):
+                        pipe_k.producer_acquire(kv_state)
+                        load_k(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                        pipe_v.producer_acquire(kv_state)
+                        load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                        kv_state.advance()
         pipe_v.producer_tail(kv_state)
 
     def q_halves_loader(self, tma_q, mQ_hb, sQ, hb0, hb1):
@@ -727,6 +761,93 @@ class FlashAttentionA2AForward:
         return kv_state
 
     @cute.jit
+    def tail_partial(self, acc_o, softmax: OnlineSoftmax, out_ptrs, tail_tile, chunk, split, k, wg, tidx, sO) -> Int32:
+        """tail_split, after a unit's Q-loop: a whole tile is normalized (returns 1: store it). A chunk of a
+        split tile leaves this thread's unnormalized O and its two rows' max and (quad-summed) sum in the
+        workspace, fenced; both MMA warpgroups meet, one thread counts the chunk on the tile's counter (the k-th
+        arrival resets it), and its CTA (returns 1) reads every chunk back and combines them into acc_o:
+        O = sum_i O_i 2^((m_i - m) s) / sum_i l_i 2^((m_i - m) s), m = max_i m_i; otherwise returns 0."""
+        store_tile = Int32(1)
+        if split == 0:
+            softmax.rescale(acc_o, softmax.finalize())
+        else:
+            n_o = cute.size(acc_o)
+            n_rows = cute.size(softmax.row_max)
+            ws = cute.make_ptr(Float32, out_ptrs[self.n_dst], cute.AddressSpace.gmem, assumed_align=16)
+            base_slot = (tail_tile * k * self.num_mma_wg + wg) * WG_THREADS + tidx % WG_THREADS
+            chunk_stride = self.num_mma_wg * WG_THREADS * PARTIAL_FLOATS  # floats between chunks of a tile
+            part = cute.make_rmem_tensor(PARTIAL_FLOATS, Float32)
+            for i in cutlass.range_constexpr(n_o):
+                part[i] = acc_o[i]
+            for r in cutlass.range_constexpr(n_rows):
+                part[n_o + r] = softmax.row_max[r]
+                part[n_o + n_rows + r] = cute.arch.warp_reduction_sum(softmax.row_sum[r], threads_in_group=4)
+            mine = cute.make_tensor(ws + (Int64(base_slot) * PARTIAL_FLOATS + Int64(chunk) * chunk_stride),
+                                    cute.make_layout(PARTIAL_FLOATS))
+            cute.autovec_copy(part, mine)
+            cute.arch.fence_acq_rel_gpu()  # this thread's partial before the count (CUDA's threadfence pattern)
+            cute.arch.barrier(barrier_id=TAIL_BARRIER, number_of_threads=self.num_mma_wg * WG_THREADS)
+            flag = cute.make_tensor(cute.recast_ptr(sO.iterator, dtype=Int32), cute.make_layout(1))
+            if tidx == 0:
+                counter = cute.make_ptr(Int32, out_ptrs[self.n_dst + 1], cute.AddressSpace.gmem, assumed_align=4)
+                old = cute.arch.atomic_add((counter + tail_tile).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+                last = Int32(old == k - 1)
+                if last != 0:
+                    (counter + tail_tile).store(Int32(0))  # every chunk has counted: ready for the next launch
+                flag[0] = last
+            cute.arch.barrier(barrier_id=TAIL_BARRIER, number_of_threads=self.num_mma_wg * WG_THREADS)
+            store_tile = flag[0]
+            if store_tile != 0:
+                cute.arch.fence_acq_rel_gpu()  # the other chunks' partials after their counts
+                row_m = cute.make_rmem_tensor(n_rows, Float32)
+                for r in cutlass.range_constexpr(n_rows):
+                    row_m[r] = softmax.row_max[r] - softmax.row_max[r] - Float32(math.inf)
+                for i in cutlass.range(k, unroll=1):
+                    other = cute.make_tensor(ws + (Int64(base_slot) * PARTIAL_FLOATS + Int64(i) * chunk_stride),
+                                             cute.make_layout(PARTIAL_FLOATS))
+                    cute.autovec_copy(other, part)
+                    for r in cutlass.range_constexpr(n_rows):
+                        row_m[r] = cute.arch.fmax(row_m[r], part[n_o + r])
+                row_l = cute.make_rmem_tensor(n_rows, Float32)
+                row_l.fill(0.0)
+                acc_o.fill(0.0)
+                acc_mn = layout_utils.reshape_acc_to_mn(acc_o)
+                part_o = cute.make_fragment_like(acc_o, Float32)
+                part_mn = layout_utils.reshape_acc_to_mn(part_o)
+                for i in cutlass.range(k, unroll=1):
+                    other = cute.make_tensor(ws + (Int64(base_slot) * PARTIAL_FLOATS + Int64(i) * chunk_stride),
+                                             cute.make_layout(PARTIAL_FLOATS))
+                    cute.autovec_copy(other, part)
+                    for j in cutlass.range_constexpr(n_o):
+                        part_o[j] = part[j]
+                    for r in cutlass.range_constexpr(n_rows):
+                        w = cute.math.exp2((part[n_o + r] - row_m[r]) * softmax.scale_log2, fastmath=True)
+                        row_l[r] = row_l[r] + part[n_o + n_rows + r] * w
+                        acc_mn[r, None].store(acc_mn[r, None].load() + part_mn[r, None].load() * w)
+                for r in cutlass.range_constexpr(n_rows):
+                    inv = cute.arch.rcp_approx(row_l[r])
+                    acc_mn[r, None].store(acc_mn[r, None].load() * inv)
+        return store_tile
+
+    @cute.jit
+    def store_local_half(self, acc_o, mO, st_atom, thr_st, tOsO, g_copy, thr_g, tGsO, tGrO, bar_id, m_block, h,
+                         bb, wg, seq, h_loc):
+        """tail_split's epilogue (local, store="st"): this warpgroup's 64 normalized rows through sO to
+        (b, S, H, d), as the default epilogue does."""
+        d = self.head_dim
+        r_o = cute.make_fragment_like(acc_o, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)  # sO rows free again
+        cute.copy(st_atom, thr_st.retile(r_o), tOsO)
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
+        cute.autovec_copy(tGsO, tGrO)
+        row0 = m_block * TILE_M + wg * 64
+        base = mO.iterator + cute.assume(((Int64(bb) * seq + row0) * h_loc + h) * d, divby=self.vec)
+        row_stride = cute.assume(h_loc * d, divby=d)
+        g_dst = cute.make_tensor(base, cute.make_layout((64, d), stride=(row_stride, 1)))
+        cute.copy(g_copy, tGrO, thr_g.partition_D(g_dst))
+
+    @cute.jit
     def tma_store_half(self, tma_o: cute.CopyAtom, gO_tma: cute.Tensor, sO_wg: cute.Tensor, head, bb, row_blk):
         """One thread: TMA-store this warpgroup's 64 x d half (swizzled sO rows) to rows 64 * row_blk.. of
         (head, batch) in one destination's (rows, d, heads, batch) tensor map."""
@@ -738,7 +859,7 @@ class FlashAttentionA2AForward:
     def consumer(self, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, tma_os, gO_tmas,
                  sQ, sK, sV,
                  sO, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world, timeout_ns,
-                 n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx, bidx, grid):
+                 n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx, bidx, grid, tail_k=None):
         d = self.head_dim
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_layout = cute.make_layout(self.num_mma_wg, stride=WG_THREADS)
@@ -779,7 +900,16 @@ class FlashAttentionA2AForward:
                                                         self.early_done == "last_epilogue")
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        for t in cutlass.range(Int32(bidx), n_tiles, Int32(grid), unroll=1):
+        n_walk, full, k_split = n_tiles, n_tiles, Int32(1)
+        if const_expr(self.tail_split):
+            k_split = Int32(tail_k)
+            full, n_walk = tail_split_units(n_tiles, Int32(grid), k_split)
+        for u in cutlass.range(Int32(bidx), n_walk, Int32(grid), unroll=1):
+            t = u
+            n_this = n_kv
+            if const_expr(self.tail_split):
+                t, kv0, kv1, chunk, split = unit_work(u, full, k_split, n_kv)
+                n_this = kv1 - kv0
             if const_expr(self.cross_halves):
                 hb0, hb1, h, bb, dest0, dest1 = tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles,
                                                             Int32(grid), True)
@@ -800,7 +930,7 @@ class FlashAttentionA2AForward:
                                                   pend * chunks)
             elif const_expr(self.overlap):
                 kv_state = self.q_loop_overlapped(softmax, acc_o, tOrP, tSrQ_t, tSrK, tOrVt, tiled_mma_qk,
-                                                  tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_kv,
+                                                  tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_this,
                                                   wg)
             else:
                 kv_state = self.kv_block(True, softmax, acc_o, tOrP, tSrQ_t, tSrK, tOrVt, tiled_mma_qk,
@@ -810,115 +940,123 @@ class FlashAttentionA2AForward:
                                              tiled_mma_pv, pipe_k, pipe_v, kv_state)
                 pipe_q.consumer_release(q_state)
             q_state.advance()
-            softmax.rescale(acc_o, softmax.finalize())
+            if const_expr(self.tail_split):
+                store_tile = self.tail_partial(acc_o, softmax, out_ptrs, t - full, chunk, split, k_split, wg, tidx,
+                                               sO)
+                if store_tile != 0:
+                    self.store_local_half(acc_o, mO, st_atom, thr_st, tOsO, g_copy, thr_g, tGsO, tGrO, bar_id,
+                                          m_block, h, bb, wg, seq, h_loc)
+            else:
+                softmax.rescale(acc_o, softmax.finalize())
             if const_expr(self.early_done == "last_epilogue"):
                 if t == early_tile:  # the final tile's Q-loop is done, every earlier tile's stores issued
                     cute.arch.barrier_arrive(barrier_id=EARLY_BARRIER, number_of_threads=DONE_THREADS)
 
-            # ---- epilogue of this warpgroup's 64 rows
-            r_o = cute.make_fragment_like(acc_o, self.dtype)
-            r_o.store(acc_o.load().to(self.dtype))
-            ltid = tidx % WG_THREADS
-            if const_expr(self.store == "bulk"):
-                if ltid < 64:  # the TMA engine has read the previous tile's row out of sO
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if const_expr(self.store == "tma"):
-                if ltid == 0:  # the TMA engine has read the previous tile's half out of sO
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if const_expr(self.ready_on and self.ready_wait == "epilogue"):
-                if t == Int32(bidx):
-                    if ltid == 0:
-                        await_ready_here(flags, world, e_next, timeout_ns, errors, Int32(bidx), self.n_dst)
-                cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)  # sO rows free again
-            elif const_expr(self.ready_on):
-                # The ready gate: on this CTA's first tile, the warp that waited for every receiver's ready
-                # flag also arrives on this barrier (await_all_ready; the barrier's first use in the kernel, so
-                # its count is 160 there and 128 after), so no store goes out before the announcements. No
-                # wait, poll or acquire in the loop for later tiles. (The mbarrier test before every tile's
-                # stores it replaces held the destination pointer's load back until after it, in the SASS. On
-                # H200 at 12 heads/8K the ready wait still cost +2.9 µs with remote stores, +4.4 with the
-                # self-store control, fused_parts_bf4aabc.json: the acquire load per poll, ~0.6% of the kernel
-                # at any M; relaxed polls and one fence, ready_wait="warp", remove it.)
-                gate = Int32(WG_THREADS) + Int32(32) * Int32(t == Int32(bidx))
-                if const_expr(self.instrument):
-                    gt_gate = cute.arch.globaltimer()
-                cute.arch.barrier(barrier_id=bar_id, number_of_threads=gate)  # sO rows free again
-                if const_expr(self.instrument):
+            if const_expr(not self.tail_split):  # (tail_split stores through store_local_half above)
+                # ---- epilogue of this warpgroup's 64 rows
+                r_o = cute.make_fragment_like(acc_o, self.dtype)
+                r_o.store(acc_o.load().to(self.dtype))
+                ltid = tidx % WG_THREADS
+                if const_expr(self.store == "bulk"):
+                    if ltid < 64:  # the TMA engine has read the previous tile's row out of sO
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(self.store == "tma"):
+                    if ltid == 0:  # the TMA engine has read the previous tile's half out of sO
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(self.ready_on and self.ready_wait == "epilogue"):
                     if t == Int32(bidx):
-                        if tidx == 0:  # first warpgroup, first tile: when it reached the gate and passed it
-                            spans[n_tiles * self.num_mma_wg + bidx, 2] = gt_gate
-                            spans[n_tiles * self.num_mma_wg + bidx, 3] = cute.arch.globaltimer()
-            else:
-                cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)  # sO rows free again
-            cute.copy(st_atom, thr_st.retile(r_o), tOsO)
-            if const_expr(self.store in ("bulk", "tma")):
-                cute.arch.fence_proxy("async.shared", space="cta")  # stmatrix writes -> the TMA engine's reads
-            cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
-            if const_expr(self.store == "st"):
-                cute.autovec_copy(tGsO, tGrO)
-            if const_expr(self.cross_halves):
-                row0 = hb * 64
-            else:
-                row0 = m_block * TILE_M + wg * 64
-            if const_expr(self.mode == "local"):
-                base = mO.iterator + cute.assume(((Int64(bb) * seq + row0) * h_loc + h) * d, divby=self.vec)
-                row_stride = cute.assume(h_loc * d, divby=d)
-            else:
-                # Destination row from block counts, not from S/P: holding S/P live across the mainloop (a
-                # division ptxas keeps in a register) changed its schedule (61 of 66 exponentials ahead of the
-                # PV wait instead of local's 51; tests/test_flash_attention.py checks they now agree).
-                rows_per_rank = n_mb_per_rank * TILE_M
-                if const_expr(self.cross_halves):
-                    drow = row0 - dest * rows_per_rank
+                        if ltid == 0:
+                            await_ready_here(flags, world, e_next, timeout_ns, errors, Int32(bidx), self.n_dst)
+                    cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)  # sO rows free again
+                elif const_expr(self.ready_on):
+                    # The ready gate: on this CTA's first tile, the warp that waited for every receiver's ready
+                    # flag also arrives on this barrier (await_all_ready; the barrier's first use in the kernel, so
+                    # its count is 160 there and 128 after), so no store goes out before the announcements. No
+                    # wait, poll or acquire in the loop for later tiles. (The mbarrier test before every tile's
+                    # stores it replaces held the destination pointer's load back until after it, in the SASS. On
+                    # H200 at 12 heads/8K the ready wait still cost +2.9 µs with remote stores, +4.4 with the
+                    # self-store control, fused_parts_bf4aabc.json: the acquire load per poll, ~0.6% of the kernel
+                    # at any M; relaxed polls and one fence, ready_wait="warp", remove it.)
+                    gate = Int32(WG_THREADS) + Int32(32) * Int32(t == Int32(bidx))
+                    if const_expr(self.instrument):
+                        gt_gate = cute.arch.globaltimer()
+                    cute.arch.barrier(barrier_id=bar_id, number_of_threads=gate)  # sO rows free again
+                    if const_expr(self.instrument):
+                        if t == Int32(bidx):
+                            if tidx == 0:  # first warpgroup, first tile: when it reached the gate and passed it
+                                spans[n_tiles * self.num_mma_wg + bidx, 2] = gt_gate
+                                spans[n_tiles * self.num_mma_wg + bidx, 3] = cute.arch.globaltimer()
                 else:
-                    drow = (m_block - dest * n_mb_per_rank) * TILE_M + wg * 64
-                peer = cute.make_ptr(self.dtype, out_ptrs[dest], cute.AddressSpace.gmem, assumed_align=16)
-                base = peer + cute.assume(((Int64(bb) * rows_per_rank + drow) * heads + rank * h_loc + h) * d,
-                                          divby=self.vec)
-                row_stride = cute.assume(heads * d, divby=d)
-            gt0, ck0 = cute.arch.globaltimer(), cute.arch.clock64()
-            if const_expr(paced):
-                pend_addr = base.toint()
-                pend = Int32(1)
-            elif const_expr(self.store == "tma"):
-                if ltid == 0:
-                    if const_expr(self.mode == "local"):
-                        self.tma_store_half(tma_os[0], gO_tmas[0], sO_wg, h, bb, m_block * 2 + wg)
-                    else:
-                        drow_blk = (m_block - dest * n_mb_per_rank) * 2 + wg
-                        for j in cutlass.range_constexpr(self.n_dst):
-                            if dest == j:
-                                self.tma_store_half(tma_os[j], gO_tmas[j], sO_wg, rank * h_loc + h, bb, drow_blk)
-                    cute.arch.cp_async_bulk_commit_group()
-                    if const_expr(self.mode == "completion_coupled"):
-                        cute.arch.cp_async_bulk_wait_group(0)  # the half's writes are complete
-                        cute.arch.fence_proxy("async.global")
-                        cute.arch.fence_acq_rel_sys()
-            elif const_expr(self.store == "bulk"):
-                if ltid < 64:
-                    row_src = sO.iterator + (wg * 64 + ltid) * (d + O_PAD)
-                    copy_utils.cpasync_bulk_s2g(row_src, base + Int64(ltid) * row_stride, d * self.dtype.width // 8)
-                    cute.arch.cp_async_bulk_commit_group()
-                    if const_expr(self.mode == "completion_coupled"):
-                        cute.arch.cp_async_bulk_wait_group(0)  # the row's writes are complete
-                        cute.arch.fence_proxy("async.global")
-                        cute.arch.fence_acq_rel_sys()
-            else:
-                g_dst = cute.make_tensor(base, cute.make_layout((64, d), stride=(row_stride, 1)))
-                cute.copy(g_copy, tGrO, thr_g.partition_D(g_dst))
-                if const_expr(self.mode == "completion_coupled"):
-                    cute.arch.fence_acq_rel_sys()  # returns once this thread's stores are performed remotely
-            if const_expr(self.early_done == "pre_tail"):
-                if t == early_tile:  # the last tile with peer stores: the idle warp raises their flags now
-                    cute.arch.barrier_arrive(barrier_id=EARLY_BARRIER, number_of_threads=DONE_THREADS)
-            if const_expr(self.instrument):
+                    cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)  # sO rows free again
+                cute.copy(st_atom, thr_st.retile(r_o), tOsO)
+                if const_expr(self.store in ("bulk", "tma")):
+                    cute.arch.fence_proxy("async.shared", space="cta")  # stmatrix writes -> the TMA engine's reads
                 cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
-                if tidx % WG_THREADS == 0:
-                    row = t * self.num_mma_wg + wg  # one row per (tile, warpgroup)
-                    spans[row, 0] = gt0
-                    spans[row, 1] = cute.arch.globaltimer()
-                    spans[row, 2] = ck0
-                    spans[row, 3] = cute.arch.clock64()
+                if const_expr(self.store == "st"):
+                    cute.autovec_copy(tGsO, tGrO)
+                if const_expr(self.cross_halves):
+                    row0 = hb * 64
+                else:
+                    row0 = m_block * TILE_M + wg * 64
+                if const_expr(self.mode == "local"):
+                    base = mO.iterator + cute.assume(((Int64(bb) * seq + row0) * h_loc + h) * d, divby=self.vec)
+                    row_stride = cute.assume(h_loc * d, divby=d)
+                else:
+                    # Destination row from block counts, not from S/P: holding S/P live across the mainloop (a
+                    # division ptxas keeps in a register) changed its schedule (61 of 66 exponentials ahead of the
+                    # PV wait instead of local's 51; tests/test_flash_attention.py checks they now agree).
+                    rows_per_rank = n_mb_per_rank * TILE_M
+                    if const_expr(self.cross_halves):
+                        drow = row0 - dest * rows_per_rank
+                    else:
+                        drow = (m_block - dest * n_mb_per_rank) * TILE_M + wg * 64
+                    peer = cute.make_ptr(self.dtype, out_ptrs[dest], cute.AddressSpace.gmem, assumed_align=16)
+                    base = peer + cute.assume(((Int64(bb) * rows_per_rank + drow) * heads + rank * h_loc + h) * d,
+                                              divby=self.vec)
+                    row_stride = cute.assume(heads * d, divby=d)
+                gt0, ck0 = cute.arch.globaltimer(), cute.arch.clock64()
+                if const_expr(paced):
+                    pend_addr = base.toint()
+                    pend = Int32(1)
+                elif const_expr(self.store == "tma"):
+                    if ltid == 0:
+                        if const_expr(self.mode == "local"):
+                            self.tma_store_half(tma_os[0], gO_tmas[0], sO_wg, h, bb, m_block * 2 + wg)
+                        else:
+                            drow_blk = (m_block - dest * n_mb_per_rank) * 2 + wg
+                            for j in cutlass.range_constexpr(self.n_dst):
+                                if dest == j:
+                                    self.tma_store_half(tma_os[j], gO_tmas[j], sO_wg, rank * h_loc + h, bb, drow_blk)
+                        cute.arch.cp_async_bulk_commit_group()
+                        if const_expr(self.mode == "completion_coupled"):
+                            cute.arch.cp_async_bulk_wait_group(0)  # the half's writes are complete
+                            cute.arch.fence_proxy("async.global")
+                            cute.arch.fence_acq_rel_sys()
+                elif const_expr(self.store == "bulk"):
+                    if ltid < 64:
+                        row_src = sO.iterator + (wg * 64 + ltid) * (d + O_PAD)
+                        copy_utils.cpasync_bulk_s2g(row_src, base + Int64(ltid) * row_stride, d * self.dtype.width // 8)
+                        cute.arch.cp_async_bulk_commit_group()
+                        if const_expr(self.mode == "completion_coupled"):
+                            cute.arch.cp_async_bulk_wait_group(0)  # the row's writes are complete
+                            cute.arch.fence_proxy("async.global")
+                            cute.arch.fence_acq_rel_sys()
+                else:
+                    g_dst = cute.make_tensor(base, cute.make_layout((64, d), stride=(row_stride, 1)))
+                    cute.copy(g_copy, tGrO, thr_g.partition_D(g_dst))
+                    if const_expr(self.mode == "completion_coupled"):
+                        cute.arch.fence_acq_rel_sys()  # returns once this thread's stores are performed remotely
+                if const_expr(self.early_done == "pre_tail"):
+                    if t == early_tile:  # the last tile with peer stores: the idle warp raises their flags now
+                        cute.arch.barrier_arrive(barrier_id=EARLY_BARRIER, number_of_threads=DONE_THREADS)
+                if const_expr(self.instrument):
+                    cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
+                    if tidx % WG_THREADS == 0:
+                        row = t * self.num_mma_wg + wg  # one row per (tile, warpgroup)
+                        spans[row, 0] = gt0
+                        spans[row, 1] = cute.arch.globaltimer()
+                        spans[row, 2] = ck0
+                        spans[row, 3] = cute.arch.clock64()
 
         if const_expr(paced):
             if pend != 0:  # the CTA's last tile (local in the fused order's last round): all of it now

@@ -195,3 +195,44 @@ def reference_pre_a2a(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     h_loc = inputs[0].shape[2] // world
     return [torch.cat([inputs[r][:, :, j * h_loc:(j + 1) * h_loc] for r in range(world)], dim=1)
             for j in range(world)]
+
+
+def tail_split_units(n_tiles, grid, k):
+    """The ``tail_split`` walk: (full, n_units). Tiles [0, full) (the whole rounds of a persistent grid of
+    ``grid`` CTAs) are walked whole; each tile of the last, partly empty round is split into ``k`` KV chunks,
+    so the idle CTAs of that round take a share of it. k = 1: no split (full = n_tiles). Ints or DSL Int32."""
+    tail = n_tiles - (n_tiles // grid) * grid
+    full = n_tiles - tail * cutlass_min(1, k - 1)
+    return full, full + (n_tiles - full) * k
+
+
+def unit_work(u, full, k, n_kv):
+    """Unit ``u`` of the tail_split walk -> (tile, kv_begin, kv_end, chunk, split): units below ``full`` are
+    whole tiles (KV blocks [0, n_kv), split = 0); unit full + v is chunk v % k of tile full + v // k, KV
+    blocks [chunk·n_kv // k, (chunk+1)·n_kv // k), split = 1. Branch-free: ints or DSL Int32."""
+    whole = cutlass_min(1, cutlass_max(0, full - u))
+    v = cutlass_max(0, u - full)
+    chunk = v % k
+    tile = whole * u + (1 - whole) * (full + v // k)
+    kv_begin = (1 - whole) * (chunk * n_kv // k)
+    kv_end = whole * n_kv + (1 - whole) * ((chunk + 1) * n_kv // k)
+    return tile, kv_begin, kv_end, (1 - whole) * chunk, 1 - whole
+
+
+def choose_tail_split(n_tiles: int, grid: int, n_kv: int, max_k: int = 16, cost_per_chunk: float = 0.01) -> int:
+    """The chunk count k for the last round's tiles: the fewest tile-times the split tail takes,
+    ceil(tail·k / grid) / k, plus ``cost_per_chunk`` tile-times per chunk (a chunk reloads Q and refills the
+    K/V pipeline, and the combining CTA reads every chunk's partial O); 1 when the last round is full."""
+    tail = n_tiles % grid
+    if tail == 0 or n_tiles < grid:
+        return 1 if tail == 0 else _best_k(tail, grid, n_kv, max_k, cost_per_chunk)
+    return _best_k(tail, grid, n_kv, max_k, cost_per_chunk)
+
+
+def _best_k(tail: int, grid: int, n_kv: int, max_k: int, cost: float) -> int:
+    best_k, best = 1, 1.0 + cost
+    for k in range(2, min(max_k, n_kv) + 1):
+        t = -(-tail * k // grid) / k + cost * k
+        if t < best - 1e-9:
+            best_k, best = k, t
+    return best_k

@@ -234,3 +234,31 @@ def test_crossed_walk_keeps_the_local_tail_and_halves_the_bursts(world):
                 assert max(new.values()) <= max(old.values()), (n_mb, h_loc, new, old)
                 if (n_mb, h_loc) == (32, 12):
                     assert max(new.values()) * 16384 < 2.47 * 2 ** 20, new
+
+
+@pytest.mark.parametrize("n_tiles,grid,n_kv", [(192, 132, 64), (32, 132, 8), (768, 132, 256), (576, 132, 32),
+                                                (264, 132, 16), (5, 132, 1), (6144, 132, 512)])
+def test_tail_split_walk_covers_every_kv_block_of_every_tile_once(n_tiles, grid, n_kv):
+    """tail_split: whole tiles for the full rounds, then every tile of the last round in k KV chunks; each
+    (tile, KV block) is computed by exactly one unit, each split tile has k chunks numbered 0..k-1, and the
+    split tail takes fewer tile-times than one more whole round."""
+    from flash_a2a.mapping import choose_tail_split, tail_split_units, unit_work
+
+    k = choose_tail_split(n_tiles, grid, n_kv)
+    assert 1 <= k <= max(1, n_kv)
+    full, n_units = tail_split_units(n_tiles, grid, k)
+    assert full % grid == 0 or k == 1
+    seen, chunks = {}, {}
+    for u in range(n_units):
+        t, kv0, kv1, chunk, split = unit_work(u, full, k, n_kv)
+        assert 0 <= t < n_tiles and 0 <= kv0 < kv1 <= n_kv
+        assert split == (1 if u >= full else 0)
+        chunks.setdefault(t, []).append(chunk)
+        for x in range(kv0, kv1):
+            seen[(t, x)] = seen.get((t, x), 0) + 1
+    assert len(seen) == n_tiles * n_kv and set(seen.values()) == {1}
+    for t in range(full, n_tiles):
+        assert sorted(chunks[t]) == list(range(k))
+    if k > 1:
+        tail_time = -(-(n_units - full) // grid) / k  # in tile-times
+        assert tail_time < 1.0

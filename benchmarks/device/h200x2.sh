@@ -134,6 +134,16 @@ for stage in $stages; do
         fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused fused_cc \
         fused_visible serial_fa4_nccl --variants '{"tw":{"try_wait":true},"tw36":{"try_wait":true,"pin_softmax":36}}' \
         2>&1 | tee "$OUT/fatw.log" ;;
+    fatail)
+      # tail_split (the last round's tiles in KV chunks over the CTAs that would idle, combined by the last
+      # chunk's CTA) with the default pin (ptxas then issues 61 of 66 exponentials ahead of the PV wait) and
+      # pin_softmax=34 (50), FA-only beside the default and FA4, at M = $FADIAG_SEQ, 8 rounds, 32 pairs each.
+      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_tail.json" \
+        --seq-lens ${FADIAG_SEQ:-8192 32768} --replays 8 --alternate-pairs 32 --alternate-min-us 0 --no-spans \
+        --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned \
+        fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused fused_cc \
+        fused_visible serial_fa4_nccl --variants '{"tail":{"tail_split":true},"tail34":{"tail_split":true,"pin_softmax":34}}' \
+        2>&1 | tee "$OUT/fatail.log" ;;
     fapeel)
       # store="paced" with the vector-carrying KV blocks peeled into a loop of their own (peel_drip), so the
       # plain overlapped loop holds no store, beside the predicated paced loop and the default burst, with the
