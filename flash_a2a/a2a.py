@@ -53,6 +53,7 @@ class SymmetricOutput:
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.errors = new_error_word(device)
         self.handles = (hdl, fhdl)
+        self.extra: dict = {}  # per-variant argument tables built once (tail_split's out_ptrs), for graph replay
         self.world = world
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's flags are zero before anyone signals

@@ -162,13 +162,18 @@ def _tail_split_args(device, n_tiles: int, grid: int, n_kv: int) -> torch.Tensor
     (device, tiles, grid, KV blocks), so CUDA-Graph capture and replay see the same buffers."""
     key = (device, n_tiles, grid, n_kv)
     if key not in _TAIL_ARGS:
-        k = choose_tail_split(n_tiles, grid, n_kv)
-        tail = n_tiles % grid if k > 1 else 0
-        work = torch.empty(max(1, tail * k * 2 * 128 * PARTIAL_FLOATS), dtype=torch.float32, device=device)
-        counts = torch.zeros(max(1, tail), dtype=torch.int32, device=device)
-        args = torch.tensor([0, work.data_ptr(), counts.data_ptr(), k], dtype=torch.int64, device=device)
-        _TAIL_ARGS[key] = (args, work, counts)  # the buffers live as long as the arguments that name them
+        _TAIL_ARGS[key] = _new_tail_split_args(device, n_tiles, grid, n_kv)
     return _TAIL_ARGS[key][0]
+
+
+def _new_tail_split_args(device, n_tiles: int, grid: int, n_kv: int):
+    """(arguments, workspace, counters): the buffers live as long as the arguments that name them."""
+    k = choose_tail_split(n_tiles, grid, n_kv)
+    tail = n_tiles % grid if k > 1 else 0
+    work = torch.empty(max(1, tail * k * 2 * 128 * PARTIAL_FLOATS), dtype=torch.float32, device=device)
+    counts = torch.zeros(max(1, tail), dtype=torch.int32, device=device)
+    args = torch.tensor([0, work.data_ptr(), counts.data_ptr(), k], dtype=torch.int64, device=device)
+    return args, work, counts
 
 
 class FusedAttentionA2A:
@@ -210,11 +215,21 @@ class FusedAttentionA2A:
         check_spans(spans, n_tiles, q.device, _grid(n_tiles, q.device))
         dm = _dummy(q.device)
         out_ptrs = st.self_ptrs if self_store else st.out_ptrs
+        grid = _grid(n_tiles, q.device)
+        if variant.get("tail_split"):
+            if n_tiles < grid:  # one round: every CTA's first tile carries the ready gate, so nothing is split
+                variant = {kk: vv for kk, vv in variant.items() if kk != "tail_split"}
+            else:  # the destinations, then the split's workspace, counters and chunk count
+                key = ("tail", self_store, n_tiles, grid)
+                if key not in st.extra:  # its own workspace and counters (not shared with flash_attention's)
+                    args, work, counts = _new_tail_split_args(q.device, n_tiles, grid, s // TILE_N)
+                    st.extra[key] = (torch.cat([out_ptrs, args[1:]]), work, counts)
+                out_ptrs = st.extra[key][0]
         dsts = (st.out,) * self.world if self_store else st.peer_outs  # tensor maps of store="tma"
         _kernel(q.dtype, d, mode, spans is not None, n_dst=self.world, **{**FUSED_WALK, **variant})(
             q, k, v, q, out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
             spans if spans is not None else dm.spans, dsts, _scale(softmax_scale, d), self.rank, self.world,
-            _grid(n_tiles, q.device), self.timeout_ns)
+            grid, self.timeout_ns)
         if wait:
             st.wait(self.world, self.timeout_ns)
         return st.out

@@ -196,16 +196,17 @@ class FlashAttentionA2AForward:
         # try_wait (a mainloop-order knob): each K/V wait of the Q-loop first probes the stage's barrier
         # (mbarrier.try_wait, FA4's consumer_try_wait token) and only then blocks, as FA4's SM90 loop does.
         self.try_wait = bool(try_wait)
-        # tail_split (local mode): the tiles of the persistent walk's last, partly empty round are split into k
+        # tail_split: the tiles of the persistent walk's last, partly empty round are split into k
         # KV chunks (flash_a2a.mapping.tail_split_units / unit_work; k at run time, out_ptrs[n_dst + 2]), so
         # the CTAs that would idle through that round take a share. Each chunk leaves its unnormalized O and
         # its rows' max and sum in a float32 workspace (out_ptrs[n_dst]); the CTA whose arrival on the tile's
         # counter (out_ptrs[n_dst + 1]) is the k-th combines them and stores the tile, then resets the counter.
-        # No CTA waits for another.
-        if tail_split and (mode != "local" or store != "st" or cross_halves or early_done or instrument
-                           or q_stages != 1 or not overlap or head_dim != 128):
-            raise ValueError("tail_split=True is built for the local kernel with head_dim=128, store='st', the "
-                             "overlapped mainloop, q_stages=1 and no cross_halves/early_done/instrument")
+        # No CTA waits for another. In the fused walk the last round holds local tiles only (and the host
+        # splits nothing when the tiles fit in one round, so every CTA's first unit, the ready gate's, is whole).
+        if tail_split and (store != "st" or cross_halves or early_done or instrument or q_stages != 1
+                           or not overlap or head_dim != 128):
+            raise ValueError("tail_split=True is built for head_dim=128, store='st', the overlapped mainloop, "
+                             "q_stages=1 and no cross_halves/early_done/instrument")
         self.tail_split = bool(tail_split)
         # cross_halves: the "crossed" tile walk (flash_a2a.mapping.tile_halves): the two MMA warpgroups of a tile
         # take 64-row blocks of different ranks' slices (Q comes in two 64-row TMA loads), so a tile sends at
@@ -830,24 +831,6 @@ class FlashAttentionA2AForward:
         return store_tile
 
     @cute.jit
-    def store_local_half(self, acc_o, mO, st_atom, thr_st, tOsO, g_copy, thr_g, tGsO, tGrO, bar_id, m_block, h,
-                         bb, wg, seq, h_loc):
-        """tail_split's epilogue (local, store="st"): this warpgroup's 64 normalized rows through sO to
-        (b, S, H, d), as the default epilogue does."""
-        d = self.head_dim
-        r_o = cute.make_fragment_like(acc_o, self.dtype)
-        r_o.store(acc_o.load().to(self.dtype))
-        cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)  # sO rows free again
-        cute.copy(st_atom, thr_st.retile(r_o), tOsO)
-        cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
-        cute.autovec_copy(tGsO, tGrO)
-        row0 = m_block * TILE_M + wg * 64
-        base = mO.iterator + cute.assume(((Int64(bb) * seq + row0) * h_loc + h) * d, divby=self.vec)
-        row_stride = cute.assume(h_loc * d, divby=d)
-        g_dst = cute.make_tensor(base, cute.make_layout((64, d), stride=(row_stride, 1)))
-        cute.copy(g_copy, tGrO, thr_g.partition_D(g_dst))
-
-    @cute.jit
     def tma_store_half(self, tma_o: cute.CopyAtom, gO_tma: cute.Tensor, sO_wg: cute.Tensor, head, bb, row_blk):
         """One thread: TMA-store this warpgroup's 64 x d half (swizzled sO rows) to rows 64 * row_blk.. of
         (head, batch) in one destination's (rows, d, heads, batch) tensor map."""
@@ -940,19 +923,17 @@ class FlashAttentionA2AForward:
                                              tiled_mma_pv, pipe_k, pipe_v, kv_state)
                 pipe_q.consumer_release(q_state)
             q_state.advance()
+            store_tile = 1  # tail_split: whether this unit stores its tile (a whole tile, or the last chunk)
             if const_expr(self.tail_split):
                 store_tile = self.tail_partial(acc_o, softmax, out_ptrs, t - full, chunk, split, k_split, wg, tidx,
                                                sO)
-                if store_tile != 0:
-                    self.store_local_half(acc_o, mO, st_atom, thr_st, tOsO, g_copy, thr_g, tGsO, tGrO, bar_id,
-                                          m_block, h, bb, wg, seq, h_loc)
             else:
                 softmax.rescale(acc_o, softmax.finalize())
             if const_expr(self.early_done == "last_epilogue"):
                 if t == early_tile:  # the final tile's Q-loop is done, every earlier tile's stores issued
                     cute.arch.barrier_arrive(barrier_id=EARLY_BARRIER, number_of_threads=DONE_THREADS)
 
-            if const_expr(not self.tail_split):  # (tail_split stores through store_local_half above)
+            if store_tile != 0:  # a Python 1 (static) unless tail_split
                 # ---- epilogue of this warpgroup's 64 rows
                 r_o = cute.make_fragment_like(acc_o, self.dtype)
                 r_o.store(acc_o.load().to(self.dtype))

@@ -520,8 +520,10 @@ def test_tail_split_compiles_and_refuses_what_it_does_not_cover(tmp_path):
     c = _compile(tmp_path, head_dim=128, mode="local", tail_split=True)
     assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16") >= 16
     assert c.ptx_count(r"atom(\.global)?\.acq_rel(\.gpu)?(\.global)?\.add") >= 1  # gpu scope: the default
-    for bad in ({"mode": "piggyback", "n_dst": 2}, {"store": "tma"}, {"cross_halves": True}, {"q_stages": 2},
-                {"instrument": True}, {"head_dim": 64}):
+    f = _compile(tmp_path / "fused", head_dim=128, mode="piggyback", n_dst=2, tail_split=True)
+    assert f.ptx_count(r"atom(\.global)?\.acq_rel(\.gpu)?(\.global)?\.add") >= 1
+    for bad in ({"store": "tma"}, {"cross_halves": True}, {"q_stages": 2}, {"instrument": True}, {"head_dim": 64},
+                {"mode": "piggyback", "n_dst": 2, "early_done": True}):
         with pytest.raises(ValueError, match="tail_split"):
             FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", "tail_split": True, **bad})
 
@@ -542,3 +544,40 @@ def test_tail_split_matches_the_reference_and_the_default(shape):
         assert not torch.isnan(out).any(), "unwritten output elements"
         assert rel_err(out, reference_attention(q, k, v)) <= 1e-2
         assert rel_err(out, flash_attention(q, k, v, tile_order_world=2)) <= 1e-2
+
+
+def _tail_split_worker(rank, world, init_file, path):
+    import torch.distributed as dist
+    from cute_kernels.dist import process_group
+
+    with process_group(rank, world, init_file):
+        from flash_a2a.api import FusedAttentionA2A, flash_attention
+        from flash_a2a.mapping import reference_post_a2a
+
+        fused = FusedAttentionA2A()
+        checked = 0
+        # tail_split: the fused kernel against the local kernel with the same split (each rank's own fused
+        # order, so both split the same last-round tiles in the same chunks) and the reference All-to-All, bit
+        # for bit; 192 tiles (last round of 60 tiles in 2 chunks) and 576 (48 in 5), both modes, fresh inputs
+        for shape in ((2, 4096, 3, 128), (2, 4096, 9, 128)):
+            for mode in ("piggyback", "completion_coupled"):
+                for _ in range(2):
+                    q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
+                    local = flash_attention(q, k, v, tile_order_world=world, tile_order_rank=rank, tail_split=True)
+                    gathered = [torch.empty_like(local) for _ in range(world)]
+                    dist.all_gather(gathered, local)
+                    ref = reference_post_a2a([g.cpu() for g in gathered])[rank]
+                    fused.state(q).out.fill_(float("nan"))
+                    got = fused(q, k, v, mode=mode, tail_split=True)
+                    torch.cuda.synchronize()
+                    fused.check()
+                    assert torch.equal(got.cpu(), ref), (shape, mode, "tail_split")
+                    checked += 1
+        with open(f"{path}.{rank}", "w") as f:
+            json.dump({"checked": checked}, f)
+
+
+@pytest.mark.multigpu
+def test_fused_tail_split_matches_local_split_plus_reference_a2a(tmp_path):
+    for res in run_ranks(_tail_split_worker, tmp_path):
+        assert res["checked"] == 8

@@ -144,6 +144,16 @@ for stage in $stages; do
         fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused fused_cc \
         fused_visible serial_fa4_nccl --variants '{"tail":{"tail_split":true},"tail34":{"tail_split":true,"pin_softmax":34}}' \
         2>&1 | tee "$OUT/fatail.log" ;;
+    fatailfused)
+      # tail_split in the fused kernel (its last round is local tiles, so the combining CTA stores locally)
+      # beside the default fused and FA-only, FA-only with tail_split and FA4, at M = $FADIAG_SEQ (default 8K,
+      # where the last round splits in 2), 8 rounds, 32 adjacent pairs per column.
+      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_tail_fused.json" \
+        --seq-lens ${FADIAG_SEQ:-8192} --heads-per-rank 3 --replays 8 --alternate-pairs 32 --alternate-min-us 0 \
+        --no-spans --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned \
+        fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused_cc \
+        fused_visible --variants '{"tail":{"tail_split":true},"ftail":{"mode":"piggyback","tail_split":true}}' \
+        2>&1 | tee "$OUT/fatailfused.log" ;;
     fapeel)
       # store="paced" with the vector-carrying KV blocks peeled into a loop of their own (peel_drip), so the
       # plain overlapped loop holds no store, beside the predicated paced loop and the default burst, with the
