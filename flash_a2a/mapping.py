@@ -223,10 +223,8 @@ def choose_tail_split(n_tiles: int, grid: int, n_kv: int, max_k: int = 16, cost_
     """The chunk count k for the last round's tiles: the fewest tile-times the split tail takes,
     ceil(tail·k / grid) / k, plus ``cost_per_chunk`` tile-times per chunk (a chunk reloads Q and refills the
     K/V pipeline, and the combining CTA reads every chunk's partial O); 1 when the last round is full."""
-    tail = n_tiles % grid
-    if tail == 0 or n_tiles < grid:
-        return 1 if tail == 0 else _best_k(tail, grid, n_kv, max_k, cost_per_chunk)
-    return _best_k(tail, grid, n_kv, max_k, cost_per_chunk)
+    tail = n_tiles % grid  # the whole walk when the tiles fit in one round
+    return 1 if tail == 0 else _best_k(tail, grid, n_kv, max_k, cost_per_chunk)
 
 
 def _best_k(tail: int, grid: int, n_kv: int, max_k: int, cost: float) -> int:
