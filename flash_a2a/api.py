@@ -20,7 +20,7 @@ import torch.distributed as dist
 from cute_kernels.runtime import TORCH_TO_CUTLASS, check_error_word
 from flash_a2a.a2a import SymmetricOutput
 from flash_a2a.attention import MODES, PARTIAL_FLOATS, TILE_M, TILE_N, FlashAttentionA2AForward
-from flash_a2a.mapping import check_ulysses_shapes, choose_tail_split
+from flash_a2a.mapping import check_ulysses_shapes, choose_tail_split, resolve_tail_split
 
 _KERNELS: dict = {}
 DEFAULT_TIMEOUT_NS = 2_000_000_000
@@ -127,7 +127,9 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     ``tile_order_rank`` names the rank whose order that is (its own tiles end the walk).
     ``variant`` passes mainloop knobs of ``FlashAttentionA2AForward`` (``lag_v``, ``sync_first_block``,
     ``pin_softmax``, ``cross_halves``: the crossed walk, with ``tile_order_world``) for
-    side-by-side benchmarks; ``persistent=False`` launches one CTA per tile instead of one per SM."""
+    side-by-side benchmarks; ``persistent=False`` launches one CTA per tile instead of one per SM.
+    ``tail_split=True`` splits the last round's tiles in KV chunks over the CTAs that would idle;
+    ``tail_split="auto"`` does so only where that was measured to pay (``mapping.tail_split_pays``)."""
     if not 0 <= tile_order_rank < tile_order_world:
         raise ValueError(f"tile_order_rank must be in [0, {tile_order_world}) (a rank of the tile order's "
                          f"world), got {tile_order_rank}")
@@ -142,6 +144,10 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     dm = _dummy(q.device)
     grid = _grid(n_tiles, q.device, persistent)
     out_ptrs = dm.i64
+    if "tail_split" in variant:  # True, False or "auto" (mapping.tail_split_pays)
+        variant = {**variant, "tail_split": resolve_tail_split(variant["tail_split"], n_tiles, grid)}
+        if not variant["tail_split"]:
+            del variant["tail_split"]
     if variant.get("tail_split"):
         if not persistent or spans is not None or d != 128:
             raise ValueError("tail_split=True splits the persistent walk's last round (head_dim 128, no spans): "
@@ -216,6 +222,10 @@ class FusedAttentionA2A:
         dm = _dummy(q.device)
         out_ptrs = st.self_ptrs if self_store else st.out_ptrs
         grid = _grid(n_tiles, q.device)
+        if "tail_split" in variant:  # True, False or "auto" (mapping.tail_split_pays)
+            variant = {**variant, "tail_split": resolve_tail_split(variant["tail_split"], n_tiles, grid)}
+            if not variant["tail_split"]:
+                del variant["tail_split"]
         if variant.get("tail_split"):
             if n_tiles < grid:  # one round: every CTA's first tile carries the ready gate, so nothing is split
                 variant = {kk: vv for kk, vv in variant.items() if kk != "tail_split"}

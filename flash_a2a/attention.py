@@ -203,6 +203,8 @@ class FlashAttentionA2AForward:
         # counter (out_ptrs[n_dst + 1]) is the k-th combines them and stores the tile, then resets the counter.
         # No CTA waits for another. In the fused walk the last round holds local tiles only (and the host
         # splits nothing when the tiles fit in one round, so every CTA's first unit, the ready gate's, is whole).
+        if tail_split not in (True, False):
+            raise ValueError(f"tail_split must be True or False here, got {tail_split!r} (the API resolves 'auto')")
         if tail_split and (store != "st" or cross_halves or early_done or instrument or q_stages != 1
                            or not overlap or head_dim != 128):
             raise ValueError("tail_split=True is built for head_dim=128, store='st', the overlapped mainloop, "

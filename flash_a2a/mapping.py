@@ -234,3 +234,23 @@ def _best_k(tail: int, grid: int, n_kv: int, max_k: int, cost: float) -> int:
         if t < best - 1e-9:
             best_k, best = k, t
     return best_k
+
+
+def tail_split_pays(n_tiles: int, grid: int, max_rounds: int = 2) -> bool:
+    """``tail_split="auto"``: split only where it was measured to pay with the split kernel's slower KV-loop
+    schedule included: the last round's tiles fit in half a round (k = 2, one chunk round, half a tile-time
+    saved) and the walk has at most ``max_rounds`` rounds, so that half tile is a large share of the kernel
+    (2 x H200, 3 heads/rank at 8K: 192 tiles, -15% FA-only and fused; at 6-7 chunks, 3 heads/32K and 12 heads/8K
+    and /32K, the split was slower)."""
+    tail = n_tiles % grid
+    rounds = -(-n_tiles // grid)
+    return n_tiles >= grid and tail > 0 and 2 * tail <= grid and rounds <= max_rounds
+
+
+def resolve_tail_split(option, n_tiles: int, grid: int) -> bool:
+    """The ``tail_split`` option of the API: True/False as given, "auto" by ``tail_split_pays``."""
+    if option == "auto":
+        return tail_split_pays(n_tiles, grid)
+    if option in (True, False, None):
+        return bool(option)
+    raise ValueError(f"tail_split must be True, False or 'auto', got {option!r}")

@@ -262,3 +262,19 @@ def test_tail_split_walk_covers_every_kv_block_of_every_tile_once(n_tiles, grid,
     if k > 1:
         tail_time = -(-(n_units - full) // grid) / k  # in tile-times
         assert tail_time < 1.0
+
+
+def test_tail_split_auto_picks_the_shape_where_it_was_measured_to_pay():
+    """tail_split="auto" splits where the last round fits in half a round and the walk is short: of the
+    benchmark's shapes on 132 SMs (2 ranks, 3 or 12 heads per rank), only 3 heads/8K (192 tiles), where the
+    split measured -15%; not the shapes where 6-7 chunks measured slower, nor full or single rounds."""
+    from flash_a2a.mapping import resolve_tail_split, tail_split_pays
+
+    picked = [(h, s) for h in (3, 12) for s in (8192, 16384, 32768, 49152, 65536)
+              if tail_split_pays((s // 128) * h, 132)]
+    assert picked == [(3, 8192)]
+    assert not tail_split_pays(264, 132) and not tail_split_pays(100, 132)  # full rounds; one round
+    assert resolve_tail_split("auto", 192, 132) and not resolve_tail_split("auto", 768, 132)
+    assert resolve_tail_split(True, 768, 132) and not resolve_tail_split(False, 192, 132)
+    with pytest.raises(ValueError, match="auto"):
+        resolve_tail_split("yes", 192, 132)
