@@ -508,16 +508,22 @@ class FlashAttentionA2AForward:
                           timeout_ns, n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx - WG_THREADS,
                           bidx, grid, tail_k)
 
+    def walk_bounds(self, n_tiles, grid, tail_k):
+        """(units walked, whole tiles, chunks per split tile) of the persistent walk, the same for the producer
+        and the consumer: every tile whole unless tail_split (mapping.tail_split_units)."""
+        if const_expr(self.tail_split):
+            k_split = Int32(tail_k)
+            full, n_walk = tail_split_units(n_tiles, Int32(grid), k_split)
+            return n_walk, full, k_split
+        return n_tiles, n_tiles, Int32(1)
+
     @cute.jit
     def producer(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, n_tiles, n_kv,
                  n_mb_per_rank, h_loc, rank, world, bidx, grid, tail_k=None):
         d = self.head_dim
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        n_walk, full, k_split = n_tiles, n_tiles, Int32(1)
-        if const_expr(self.tail_split):
-            k_split = Int32(tail_k)
-            full, n_walk = tail_split_units(n_tiles, Int32(grid), k_split)
+        n_walk, full, k_split = self.walk_bounds(n_tiles, grid, tail_k)
         for u in cutlass.range(Int32(bidx), n_walk, Int32(grid), unroll=1):
             t = u
             kv0, kv1 = None, None
@@ -885,10 +891,7 @@ class FlashAttentionA2AForward:
                                                         self.early_done == "last_epilogue")
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        n_walk, full, k_split = n_tiles, n_tiles, Int32(1)
-        if const_expr(self.tail_split):
-            k_split = Int32(tail_k)
-            full, n_walk = tail_split_units(n_tiles, Int32(grid), k_split)
+        n_walk, full, k_split = self.walk_bounds(n_tiles, grid, tail_k)
         for u in cutlass.range(Int32(bidx), n_walk, Int32(grid), unroll=1):
             t = u
             n_this = n_kv
