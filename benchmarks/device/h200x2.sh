@@ -17,6 +17,18 @@ protocol_diag() {
     pre_a2a_symm cudnn a2a_nccl a2a_symm serial_ours_nccl fused_cc fused_visible fa4 serial_fa4_nccl \
     --variants "$3" 2>&1 | tee "$OUT/$2.log"
 }
+# pair_diag NAME LOG SEQS VARIANTS [SKIP... OPTION...]: the named columns and variants beside FA-only (and FA4
+# unless skipped) at M = $FADIAG_SEQ (default SEQS), 8 rounds, 32 adjacent pairs per column, no spans; the
+# trailing words add to the --skip list, then any further options (e.g. --heads-per-rank 3).
+pair_diag() {
+  local name=$1 log=$2 seqs=$3 variants=$4
+  shift 4
+  timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/$name.json" \
+    --seq-lens ${FADIAG_SEQ:-$seqs} --replays 8 --alternate-pairs 32 --alternate-min-us 0 --no-spans \
+    --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned \
+    fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused_cc \
+    fused_visible "$@" --variants "$variants" 2>&1 | tee "$OUT/$log.log"
+}
 for stage in $stages; do
   echo "=== $stage $(date -u +%T)"
   case $stage in
@@ -109,51 +121,27 @@ for stage in $stages; do
     faq2)
       # q_stages=2 (the next tile's Q loaded a tile ahead, so no warpgroup waits for it at a tile boundary)
       # beside the default, FA-only and fused, and FA4, at M = $FADIAG_SEQ, 8 rounds, 32 adjacent pairs each.
-      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_q2.json" \
-        --seq-lens ${FADIAG_SEQ:-8192 16384 32768} --replays 8 --alternate-pairs 32 --alternate-min-us 0 --no-spans \
-        --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned \
-        fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused_cc \
-        fused_visible serial_fa4_nccl --variants '{"q2":{"q_stages":2},"pbq2":{"mode":"piggyback","q_stages":2}}' \
-        2>&1 | tee "$OUT/faq2.log" ;;
+      pair_diag fa_q2 faq2 "8192 16384 32768" '{"q2":{"q_stages":2},"pbq2":{"mode":"piggyback","q_stages":2}}' serial_fa4_nccl ;;
     fapad)
       # FA-only with 32 KiB of unused shared memory (smem_pad_kib, the 228 KB carveout instead of 196 KB: 28 KB
       # of L1 instead of 60) beside the default and FA4: what the footprint alone costs (q_stages=2 takes that
       # carveout too), at M = $FADIAG_SEQ, 8 rounds, 32 adjacent pairs each.
-      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_pad.json" \
-        --seq-lens ${FADIAG_SEQ:-8192 16384 32768} --replays 8 --alternate-pairs 32 --alternate-min-us 0 --no-spans \
-        --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned \
-        fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused fused_cc \
-        fused_visible serial_fa4_nccl --variants '{"pad32":{"smem_pad_kib":32}}' 2>&1 | tee "$OUT/fapad.log" ;;
+      pair_diag fa_pad fapad "8192 16384 32768" '{"pad32":{"smem_pad_kib":32}}' fused serial_fa4_nccl ;;
     fatw)
       # try_wait (each K/V wait of the Q-loop probes the barrier first, as FA4's SM90 loop does; ptxas then
       # issues 61 of 66 exponentials ahead of the PV wait) alone and with pin_softmax=36 (53), FA-only beside
       # the default and FA4, at M = $FADIAG_SEQ, 8 rounds, 32 adjacent pairs each.
-      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_tw.json" \
-        --seq-lens ${FADIAG_SEQ:-16384 32768} --replays 8 --alternate-pairs 32 --alternate-min-us 0 --no-spans \
-        --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned \
-        fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused fused_cc \
-        fused_visible serial_fa4_nccl --variants '{"tw":{"try_wait":true},"tw36":{"try_wait":true,"pin_softmax":36}}' \
-        2>&1 | tee "$OUT/fatw.log" ;;
+      pair_diag fa_tw fatw "16384 32768" '{"tw":{"try_wait":true},"tw36":{"try_wait":true,"pin_softmax":36}}' fused serial_fa4_nccl ;;
     fatail)
       # tail_split (the last round's tiles in KV chunks over the CTAs that would idle, combined by the last
       # chunk's CTA) with the default pin (ptxas then issues 61 of 66 exponentials ahead of the PV wait) and
       # pin_softmax=34 (50), FA-only beside the default and FA4, at M = $FADIAG_SEQ, 8 rounds, 32 pairs each.
-      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_tail.json" \
-        --seq-lens ${FADIAG_SEQ:-8192 32768} --replays 8 --alternate-pairs 32 --alternate-min-us 0 --no-spans \
-        --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned \
-        fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused fused_cc \
-        fused_visible serial_fa4_nccl --variants '{"tail":{"tail_split":true},"tail34":{"tail_split":true,"pin_softmax":34}}' \
-        2>&1 | tee "$OUT/fatail.log" ;;
+      pair_diag fa_tail fatail "8192 32768" '{"tail":{"tail_split":true},"tail34":{"tail_split":true,"pin_softmax":34}}' fused serial_fa4_nccl ;;
     fatailfused)
       # tail_split in the fused kernel (its last round is local tiles, so the combining CTA stores locally)
       # beside the default fused and FA-only, FA-only with tail_split and FA4, at M = $FADIAG_SEQ (default 8K,
       # where the last round splits in 2), 8 rounds, 32 adjacent pairs per column.
-      timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_tail_fused.json" \
-        --seq-lens ${FADIAG_SEQ:-8192} --heads-per-rank 3 --replays 8 --alternate-pairs 32 --alternate-min-us 0 \
-        --no-spans --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned \
-        fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused_cc \
-        fused_visible --variants '{"tail":{"tail_split":true},"ftail":{"mode":"piggyback","tail_split":true}}' \
-        2>&1 | tee "$OUT/fatailfused.log" ;;
+      pair_diag fa_tail_fused fatailfused "8192" '{"tail":{"tail_split":true},"ftail":{"mode":"piggyback","tail_split":true}}' --heads-per-rank 3 ;;
     fapeel)
       # store="paced" with the vector-carrying KV blocks peeled into a loop of their own (peel_drip), so the
       # plain overlapped loop holds no store, beside the predicated paced loop and the default burst, with the
