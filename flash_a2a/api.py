@@ -144,10 +144,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     dm = _dummy(q.device)
     grid = _grid(n_tiles, q.device, persistent)
     out_ptrs = dm.i64
-    if "tail_split" in variant:  # True, False or "auto" (mapping.tail_split_pays)
-        variant = {**variant, "tail_split": resolve_tail_split(variant["tail_split"], n_tiles, grid)}
-        if not variant["tail_split"]:
-            del variant["tail_split"]
+    variant = _resolved(variant, n_tiles, grid)
     if variant.get("tail_split"):
         if not persistent or spans is not None or d != 128:
             raise ValueError("tail_split=True splits the persistent walk's last round (head_dim 128, no spans): "
@@ -157,6 +154,15 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
         q, k, v, out, out_ptrs, dm.i64, dm.i64, dm.i64, dm.i32, dm.i32, spans if spans is not None else dm.spans,
         (out,), _scale(softmax_scale, d), tile_order_rank, tile_order_world, grid, DEFAULT_TIMEOUT_NS)
     return out
+
+
+def _resolved(variant: dict, n_tiles: int, grid: int) -> dict:
+    """``variant`` with ``tail_split`` (True, False or "auto": mapping.tail_split_pays) decided for this walk;
+    a split that is not taken leaves the knob out, so the default kernel is the one launched."""
+    if "tail_split" not in variant:
+        return variant
+    rest = {k: v for k, v in variant.items() if k != "tail_split"}
+    return {**rest, "tail_split": True} if resolve_tail_split(variant["tail_split"], n_tiles, grid) else rest
 
 
 _TAIL_ARGS: dict = {}
@@ -222,10 +228,7 @@ class FusedAttentionA2A:
         dm = _dummy(q.device)
         out_ptrs = st.self_ptrs if self_store else st.out_ptrs
         grid = _grid(n_tiles, q.device)
-        if "tail_split" in variant:  # True, False or "auto" (mapping.tail_split_pays)
-            variant = {**variant, "tail_split": resolve_tail_split(variant["tail_split"], n_tiles, grid)}
-            if not variant["tail_split"]:
-                del variant["tail_split"]
+        variant = _resolved(variant, n_tiles, grid)
         if variant.get("tail_split"):
             if n_tiles < grid:  # one round: every CTA's first tile carries the ready gate, so nothing is split
                 variant = {kk: vv for kk, vv in variant.items() if kk != "tail_split"}

@@ -278,3 +278,8 @@ def test_tail_split_auto_picks_the_shape_where_it_was_measured_to_pay():
     assert resolve_tail_split(True, 768, 132) and not resolve_tail_split(False, 192, 132)
     with pytest.raises(ValueError, match="auto"):
         resolve_tail_split("yes", 192, 132)
+    from flash_a2a.api import _resolved  # the API's knobs: a split not taken leaves the default kernel
+
+    assert _resolved({"pin_softmax": 34, "tail_split": "auto"}, 192, 132) == {"pin_softmax": 34, "tail_split": True}
+    assert _resolved({"pin_softmax": 34, "tail_split": "auto"}, 768, 132) == {"pin_softmax": 34}
+    assert _resolved({"tail_split": False}, 192, 132) == {} and _resolved({}, 192, 132) == {}
