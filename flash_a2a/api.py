@@ -128,8 +128,12 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     ``variant`` passes mainloop knobs of ``FlashAttentionA2AForward`` (``lag_v``, ``sync_first_block``,
     ``pin_softmax``, ``cross_halves``: the crossed walk, with ``tile_order_world``) for
     side-by-side benchmarks; ``persistent=False`` launches one CTA per tile instead of one per SM.
-    ``tail_split=True`` splits the last round's tiles in KV chunks over the CTAs that would idle;
-    ``tail_split="auto"`` does so only where that was measured to pay (``mapping.tail_split_pays``)."""
+    ``tail_split`` (the persistent walk's last, partly empty round in KV chunks over the CTAs that would idle;
+    ``mapping.resolve_tail_split``): "auto" (the default) takes "launch", the whole rounds in the default
+    kernel and then the chunks in a second, programmatic dependent launch, wherever the last round splits;
+    True/"kernel" splits inside the one launch (its KV loop then schedules slower, every tile); False never.
+    A split tile differs from the unsplit kernel's in the last bits (another summation order) and is the
+    same bit for bit in the fused kernel with the same option."""
     if not 0 <= tile_order_rank < tile_order_world:
         raise ValueError(f"tile_order_rank must be in [0, {tile_order_world}) (a rank of the tile order's "
                          f"world), got {tile_order_rank}")
@@ -143,26 +147,49 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     check_spans(spans, n_tiles, q.device)
     dm = _dummy(q.device)
     grid = _grid(n_tiles, q.device, persistent)
+    knobs = {"head_dim": d, "mode": "local", "overlap": overlap, "instrument": spans is not None, **variant}
+    plan, variant = _split_plan(variant, knobs, n_tiles, grid, s // TILE_N, 1, persistent)
+    args = (q, k, v, out)
+    rest = (dm.i64, dm.i64, dm.i64, dm.i32, dm.i32, spans if spans is not None else dm.spans, (out,),
+            _scale(softmax_scale, d), tile_order_rank, tile_order_world, grid, DEFAULT_TIMEOUT_NS)
+    if plan == "launch":  # the whole rounds, then the last round's chunks (programmatic dependent launch)
+        _kernel(q.dtype, d, "local", False, overlap, walk="rounds", **variant)(*args, dm.i64, *rest)
+        _kernel(q.dtype, d, "local", False, overlap, walk="tail", tail_split=True, **variant)(
+            *args, _tail_split_args(q.device, n_tiles, grid, s // TILE_N), *rest)
+        return out
     out_ptrs = dm.i64
-    variant = _resolved(variant, n_tiles, grid)
-    if variant.get("tail_split"):
-        if not persistent or spans is not None or d != 128:
-            raise ValueError("tail_split=True splits the persistent walk's last round (head_dim 128, no spans): "
-                             "drop persistent=False/spans or tail_split")
+    if plan == "kernel":
+        variant = {**variant, "tail_split": True}
         out_ptrs = _tail_split_args(q.device, n_tiles, grid, s // TILE_N)
-    _kernel(q.dtype, d, "local", spans is not None, overlap, **variant)(
-        q, k, v, out, out_ptrs, dm.i64, dm.i64, dm.i64, dm.i32, dm.i32, spans if spans is not None else dm.spans,
-        (out,), _scale(softmax_scale, d), tile_order_rank, tile_order_world, grid, DEFAULT_TIMEOUT_NS)
+    _kernel(q.dtype, d, "local", spans is not None, overlap, **variant)(*args, out_ptrs, *rest)
     return out
 
 
-def _resolved(variant: dict, n_tiles: int, grid: int) -> dict:
-    """``variant`` with ``tail_split`` (True, False or "auto": mapping.tail_split_pays) decided for this walk;
-    a split that is not taken leaves the knob out, so the default kernel is the one launched."""
-    if "tail_split" not in variant:
-        return variant
+def _split_plan(variant: dict, knobs: dict, n_tiles: int, grid: int, n_kv: int, world: int,
+                persistent: bool = True):
+    """(plan, variant without ``tail_split``): the ``tail_split`` knob (default "auto") decided for this walk
+    (mapping.resolve_tail_split: False, "kernel" or "launch"). ``knobs``: the kernel's other constructor
+    arguments. "auto" falls back to no split where the split kernel does not take them (spans, head_dim 64,
+    a non-persistent launch, another epilogue or walk); an explicit split raises ValueError naming them."""
+    option = variant.get("tail_split", "auto")
     rest = {k: v for k, v in variant.items() if k != "tail_split"}
-    return {**rest, "tail_split": True} if resolve_tail_split(variant["tail_split"], n_tiles, grid) else rest
+    plan = resolve_tail_split(option, n_tiles, grid, n_kv, world)
+    if not plan:
+        return False, rest
+    why = None
+    if not persistent:
+        why = "persistent=False"
+    else:
+        try:
+            FlashAttentionA2AForward(**{**knobs, "tail_split": True, "walk": "all"})
+        except ValueError as e:
+            why = str(e)
+    if why is not None:
+        if option == "auto":
+            return False, rest
+        raise ValueError(f"tail_split={option!r} splits the persistent walk's last round, which these options "
+                         f"exclude ({why}): drop them or pass tail_split=False")
+    return plan, rest
 
 
 _TAIL_ARGS: dict = {}
@@ -213,7 +240,9 @@ class FusedAttentionA2A:
         ``self_store=True`` (a benchmark control, the output is garbage): every tile goes to this rank's own
         buffer at its destination offset, so the same fused kernel runs without NVLink traffic.
         ``signal`` other than True (controls too, with ``wait=False``): the kernel without the flag protocol
-        (False) or with a part of it left out ("nofence", "done", "done_nofence"; see ``FlashAttentionA2AForward``)."""
+        (False) or with a part of it left out ("nofence", "done", "done_nofence"; see ``FlashAttentionA2AForward``).
+        ``tail_split`` as in ``flash_attention`` ("auto" by default); with "launch" the rounds kernel sends every
+        peer tile and the tail kernel (local tiles only) raises the flags once the rounds kernel is complete."""
         if mode not in MODES[1:]:
             raise ValueError(f"mode must be 'piggyback' or 'completion_coupled', got {mode!r}")
         if variant.get("signal", True) is not True and wait:
@@ -228,21 +257,36 @@ class FusedAttentionA2A:
         dm = _dummy(q.device)
         out_ptrs = st.self_ptrs if self_store else st.out_ptrs
         grid = _grid(n_tiles, q.device)
-        variant = _resolved(variant, n_tiles, grid)
-        if variant.get("tail_split"):
-            if n_tiles < grid:  # one round: every CTA's first tile carries the ready gate, so nothing is split
-                variant = {kk: vv for kk, vv in variant.items() if kk != "tail_split"}
-            else:  # the destinations, then the split's workspace, counters and chunk count
-                key = ("tail", self_store, n_tiles, grid)
-                if key not in st.extra:  # its own workspace and counters (not shared with flash_attention's)
-                    args, work, counts = _new_tail_split_args(q.device, n_tiles, grid, s // TILE_N)
-                    st.extra[key] = (torch.cat([out_ptrs, args[1:]]), work, counts)
-                out_ptrs = st.extra[key][0]
+        knobs = {"head_dim": d, "mode": mode, "instrument": spans is not None, "n_dst": self.world,
+                 **FUSED_WALK, **variant}
+        plan, variant = _split_plan(variant, knobs, n_tiles, grid, s // TILE_N, self.world)
+        if plan and n_tiles < grid:  # one round: every CTA's first tile carries the ready gate; nothing split
+            plan = False
         dsts = (st.out,) * self.world if self_store else st.peer_outs  # tensor maps of store="tma"
-        _kernel(q.dtype, d, mode, spans is not None, n_dst=self.world, **{**FUSED_WALK, **variant})(
-            q, k, v, q, out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
-            spans if spans is not None else dm.spans, dsts, _scale(softmax_scale, d), self.rank, self.world,
-            grid, self.timeout_ns)
+        rest = (st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors, spans if spans is not None else dm.spans,
+                dsts, _scale(softmax_scale, d), self.rank, self.world, grid, self.timeout_ns)
+        if plan:  # the destinations, then the split's workspace, counters and chunk count
+            key = ("tail", self_store, n_tiles, grid)
+            if key not in st.extra:  # its own workspace and counters (not shared with flash_attention's)
+                args, work, counts = _new_tail_split_args(q.device, n_tiles, grid, s // TILE_N)
+                st.extra[key] = (torch.cat([out_ptrs, args[1:]]), work, counts)
+            split_ptrs = st.extra[key][0]
+        walk = {**FUSED_WALK, **variant}
+        if plan == "launch":
+            # The whole rounds (ready gate, every peer tile, no flag), then the local chunks, whose kernel
+            # waits for the rounds' completion and raises the flags (FlashAttentionA2AForward's ``walk``).
+            signal = variant.get("signal", True)
+            tail_signal = False if signal is False else ("done_nofence" if signal in ("nofence", "done_nofence")
+                                                         else "done")
+            _kernel(q.dtype, d, mode, False, n_dst=self.world, walk="rounds", **walk)(
+                q, k, v, q, out_ptrs, *rest)
+            _kernel(q.dtype, d, mode, False, n_dst=self.world, walk="tail", tail_split=True,
+                    **{**walk, "signal": tail_signal})(q, k, v, q, split_ptrs, *rest)
+        else:
+            if plan == "kernel":
+                walk, out_ptrs = {**walk, "tail_split": True}, split_ptrs
+            _kernel(q.dtype, d, mode, spans is not None, n_dst=self.world, **walk)(
+                q, k, v, q, out_ptrs, *rest)
         if wait:
             st.wait(self.world, self.timeout_ns)
         return st.out

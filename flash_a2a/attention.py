@@ -58,6 +58,7 @@ EPILOGUE_BARRIER = 1  # named barriers 1, 2: one per MMA warpgroup (0 is __synct
 SCHEDULER_BARRIER = 4  # 4, 5: warpgroup ping-pong on GEMM issue
 SIGNALS = (True, False, "nofence", "done", "done_nofence", "gate_only")
 READY_WAITS = ("warp", "warp_acquire", "epilogue")
+WALKS = ("all", "rounds", "tail")
 DONE_BARRIER = 6  # fused modes: the MMA warpgroups' last stores and the announcing warp, before publish_done
 DONE_THREADS = (TILE_M // 64) * WG_THREADS + 32
 EARLY_BARRIER = 7  # early_done: the MMA warpgroups' last stores to peers and the publishing warp
@@ -139,7 +140,7 @@ class FlashAttentionA2AForward:
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
-                 tail_split: bool = False):
+                 tail_split: bool = False, walk: str = "all"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -210,6 +211,26 @@ class FlashAttentionA2AForward:
             raise ValueError("tail_split=True is built for head_dim=128, store='st', the overlapped mainloop, "
                              "q_stages=1 and no cross_halves/early_done/instrument")
         self.tail_split = bool(tail_split)
+        # walk: which part of the persistent walk this launch takes. "all": every tile. The split tail in a
+        # second launch (tail_split="launch" in the API) is two kernels: "rounds", the whole rounds only
+        # (tiles [0, n_tiles // grid * grid), the default kernel's code otherwise, so its KV loop keeps the
+        # default's schedule; it lets its dependent launch early, griddepcontrol.launch_dependents), then
+        # "tail" (tail_split=True), the last round's KV chunks only, launched with programmatic dependent launch
+        # so its CTAs take the SMs as the rounds' CTAs exit. Fused: "rounds" runs the ready gate and sends
+        # every peer tile but raises no flag; "tail" (signal="done": its tiles are all local, no gate) waits
+        # for the rounds kernel's completion (griddepcontrol.wait, its stores performed) and then raises every
+        # flag and advances the epoch, so the last remote round drains under the tail's compute.
+        if walk not in WALKS:
+            raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
+        if walk == "rounds" and tail_split:
+            raise ValueError("walk='rounds' takes the whole rounds, unsplit: use tail_split=False with it")
+        if walk == "tail" and not tail_split:
+            raise ValueError("walk='tail' takes the split last round: use tail_split=True with it")
+        if walk == "tail" and mode != "local" and signal not in ("done", "done_nofence", False):
+            raise ValueError("walk='tail' stores local tiles only and runs no ready gate: use signal='done'")
+        if walk != "all" and (early_done or instrument):
+            raise ValueError("walk='rounds'/'tail' (the split tail's two launches) take no early_done/instrument")
+        self.walk = walk
         # cross_halves: the "crossed" tile walk (flash_a2a.mapping.tile_halves): the two MMA warpgroups of a tile
         # take 64-row blocks of different ranks' slices (Q comes in two 64-row TMA loads), so a tile sends at
         # most half of itself to a peer, and the remote tiles are spread evenly over the rounds before the
@@ -234,6 +255,7 @@ class FlashAttentionA2AForward:
         self.signal = signal
         fused = mode != "local"
         self.flags_on = fused and signal is not False  # epoch advance and data flags
+        self.publish = self.flags_on and walk != "rounds"  # "rounds": the tail launch raises the flags
         self.ready_on = fused and signal in (True, "nofence", "gate_only")
         self.ready_poll = signal != "gate_only"
         # ready_poll_ns: back-off between the ready-flag polls of the waiting warp (0: a tight loop).
@@ -411,7 +433,8 @@ class FlashAttentionA2AForward:
         self.kernel(gQ_tma, gK_tma, gV_tma, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans,
                     tma_os, gO_tmas, tma_q, tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk,
                     tiled_mma_pv, tx_q, tx_kv, scale_log2, rank, world, timeout_ns, Storage).launch(
-            grid=(grid, 1, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1)
+            grid=(grid, 1, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1,
+            use_pdl=self.walk == "tail")
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -430,6 +453,8 @@ class FlashAttentionA2AForward:
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
+        if const_expr(self.walk == "rounds"):
+            cute.arch.griddepcontrol_launch_dependents()  # the tail launch's CTAs may take SMs as these exit
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -495,8 +520,9 @@ class FlashAttentionA2AForward:
                             if tile >= 0:  # the MMA warpgroups arrive at that tile (early_done_arrival)
                                 cute.arch.barrier(barrier_id=EARLY_BARRIER, number_of_threads=DONE_THREADS)
                             publish_peers_done(flag_ptrs, rank, world, grid, bidx, tidx % 32, self.done_fence)
-                    # the CTA's completion waits for this warp too: it must read the epoch before it advances
-                    cute.arch.barrier_arrive(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
+                    if const_expr(self.publish):
+                        # the CTA's completion waits for this warp too: it must read the epoch before it advances
+                        cute.arch.barrier_arrive(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
             if warp_idx == 0:
                 self.producer(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, n_tiles,
                               n_kv, n_mb_per_rank, h_loc, rank, world, bidx, grid, tail_k)
@@ -509,13 +535,20 @@ class FlashAttentionA2AForward:
                           bidx, grid, tail_k)
 
     def walk_bounds(self, n_tiles, grid, tail_k):
-        """(units walked, whole tiles, chunks per split tile) of the persistent walk, the same for the producer
-        and the consumer: every tile whole unless tail_split (mapping.tail_split_units)."""
+        """(first unit, units walked, whole tiles, chunks per split tile) of the persistent walk, the same for
+        the producer and the consumer: every tile whole unless tail_split (mapping.tail_split_units); ``walk``
+        "rounds" stops before the last, partly empty round, "tail" takes only its chunks."""
         if const_expr(self.tail_split):
             k_split = Int32(tail_k)
             full, n_walk = tail_split_units(n_tiles, Int32(grid), k_split)
-            return n_walk, full, k_split
-        return n_tiles, n_tiles, Int32(1)
+            first = Int32(0)
+            if const_expr(self.walk == "tail"):
+                first = full
+            return first, n_walk, full, k_split
+        if const_expr(self.walk == "rounds"):
+            whole = n_tiles // Int32(grid) * Int32(grid)
+            return Int32(0), whole, whole, Int32(1)
+        return Int32(0), n_tiles, n_tiles, Int32(1)
 
     @cute.jit
     def producer(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, n_tiles, n_kv,
@@ -523,8 +556,8 @@ class FlashAttentionA2AForward:
         d = self.head_dim
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        n_walk, full, k_split = self.walk_bounds(n_tiles, grid, tail_k)
-        for u in cutlass.range(Int32(bidx), n_walk, Int32(grid), unroll=1):
+        first, n_walk, full, k_split = self.walk_bounds(n_tiles, grid, tail_k)
+        for u in cutlass.range(first + Int32(bidx), n_walk, Int32(grid), unroll=1):
             t = u
             kv0, kv1 = None, None
             if const_expr(self.tail_split):
@@ -891,8 +924,8 @@ class FlashAttentionA2AForward:
                                                         self.early_done == "last_epilogue")
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        n_walk, full, k_split = self.walk_bounds(n_tiles, grid, tail_k)
-        for u in cutlass.range(Int32(bidx), n_walk, Int32(grid), unroll=1):
+        first, n_walk, full, k_split = self.walk_bounds(n_tiles, grid, tail_k)
+        for u in cutlass.range(first + Int32(bidx), n_walk, Int32(grid), unroll=1):
             t = u
             n_this = n_kv
             if const_expr(self.tail_split):
@@ -1053,7 +1086,9 @@ class FlashAttentionA2AForward:
             if tidx % WG_THREADS < issuers:  # the issuing threads: every write complete, sO read before exit
                 cute.arch.cp_async_bulk_wait_group(0)
                 cute.arch.fence_proxy("async.global")
-        if const_expr(self.flags_on):
+        if const_expr(self.publish):
             cute.arch.barrier(barrier_id=DONE_BARRIER, number_of_threads=DONE_THREADS)
+            if const_expr(self.walk == "tail"):
+                cute.arch.griddepcontrol_wait()  # the rounds kernel is complete, its stores performed
             publish_done(flag_ptrs, counter, epoch, rank, world, e_next, Int32(grid), Int32(bidx), tidx,
                          self.done_fence, peers_done)

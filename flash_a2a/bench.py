@@ -291,12 +291,14 @@ def _run(rank, world, args):
         for s in args.seq_lens:
             q, k, v = (torch.randn(1, s, h_loc, HEAD_DIM, device="cuda").to(torch.bfloat16) for _ in range(3))
             o_ours = torch.empty_like(q)
-            ref = flash_attention(q, k, v, out=o_ours).clone()
             # pre-attention inputs: this rank's (b, S/P, H, d) slices of q, k, v
             xs = [torch.randn(1, s // world, h_loc * world, HEAD_DIM, device="cuda").to(torch.bfloat16)
                   for _ in range(3)]
             # this rank's fused tile walk, the fused kernel's default walk included (FUSED_WALK)
             fused_order = {"tile_order_world": world, "tile_order_rank": rank, **FUSED_WALK}
+            # the fused kernel's reference: FA-only in its walk (the same tiles split, where the split tail is
+            # taken), then the All-to-All
+            ref = flash_attention(q, k, v, out=o_ours, **fused_order).clone()
             cols = {
                 "fa_ours": lambda: flash_attention(q, k, v, out=o_ours, **fused_order),
                 "fa_ours_plain_order": lambda: flash_attention(q, k, v, out=o_ours),

@@ -237,20 +237,47 @@ def _best_k(tail: int, grid: int, n_kv: int, max_k: int, cost: float) -> int:
 
 
 def tail_split_pays(n_tiles: int, grid: int, max_rounds: int = 2) -> bool:
-    """``tail_split="auto"``: split only where it was measured to pay with the split kernel's slower KV-loop
-    schedule included: the last round's tiles fit in half a round (k = 2, one chunk round, half a tile-time
-    saved) and the walk has at most ``max_rounds`` rounds, so that half tile is a large share of the kernel
-    (2 x H200, 3 heads/rank at 8K: 192 tiles, -15% FA-only and fused; at 6-7 chunks, 3 heads/32K and 12 heads/8K
-    and /32K, the split was slower)."""
+    """Where the one-launch split (tail_split="kernel") was measured to pay with its slower KV-loop schedule
+    (61 of 66 exponentials ahead of the PV wait, every tile): the last round's tiles fit in half a round (k = 2,
+    one chunk round, half a tile-time saved) and the walk has at most ``max_rounds`` rounds (2 x H200, 3
+    heads/rank at 8K: 192 tiles, -15% FA-only and fused; at 6-7 chunks, 3 heads/32K and 12 heads/8K and /32K,
+    it was slower)."""
     tail = n_tiles % grid
     rounds = -(-n_tiles // grid)
     return n_tiles >= grid and tail > 0 and 2 * tail <= grid and rounds <= max_rounds
 
 
-def resolve_tail_split(option, n_tiles: int, grid: int) -> bool:
-    """The ``tail_split`` option of the API: True/False as given, "auto" by ``tail_split_pays``."""
+def tail_launch_pays(n_tiles: int, grid: int, n_kv: int, world: int = 1) -> bool:
+    """Where the split tail in a second launch (tail_split="launch") is taken by "auto": the walk has a whole
+    round before a partly empty one, ``choose_tail_split`` splits that round (k > 1), and, fused, the fused
+    walk's local tail covers it (the tail launch stores locally and runs no ready gate; ``world`` = 1: the
+    local kernel, every tile local). Its rounds kernel
+    keeps the default's KV loop, so only the chunks pay the split's slower schedule."""
+    tail = n_tiles % grid
+    return (n_tiles >= grid and tail > 0 and choose_tail_split(n_tiles, grid, n_kv) > 1
+            and (world == 1 or local_tail(n_tiles, world, grid) >= tail))
+
+
+TAIL_SPLITS = (False, True, "kernel", "launch", "auto")
+
+
+def resolve_tail_split(option, n_tiles: int, grid: int, n_kv: int = 64, world: int = 1):
+    """The ``tail_split`` option of the API -> False (no split), "kernel" (one launch, the chunks in the
+    persistent walk's last round) or "launch" (the whole rounds, then the chunks in a second launch).
+    True means "kernel"; "auto" takes "launch" where ``tail_launch_pays``. An explicit "launch" without a
+    tail to split runs unsplit; one whose tail is not all local (fused, P > 2 with few rounds) is refused."""
+    if option is None or option is False:
+        return False
+    if option is True or option == "kernel":
+        return "kernel"
     if option == "auto":
-        return tail_split_pays(n_tiles, grid)
-    if option in (True, False, None):
-        return bool(option)
-    raise ValueError(f"tail_split must be True, False or 'auto', got {option!r}")
+        return "launch" if tail_launch_pays(n_tiles, grid, n_kv, world) else False
+    if option == "launch":
+        tail = n_tiles % grid
+        if n_tiles < grid or tail == 0 or choose_tail_split(n_tiles, grid, n_kv) == 1:
+            return False
+        if world > 1 and local_tail(n_tiles, world, grid) < tail:
+            raise ValueError(f"tail_split='launch': the last round of {tail} tiles is not all local at world size "
+                             f"{world} (the tail launch stores locally); use tail_split='kernel' or 'auto'")
+        return "launch"
+    raise ValueError(f"tail_split must be one of {TAIL_SPLITS}, got {option!r}")

@@ -264,22 +264,48 @@ def test_tail_split_walk_covers_every_kv_block_of_every_tile_once(n_tiles, grid,
         assert tail_time < 1.0
 
 
-def test_tail_split_auto_picks_the_shape_where_it_was_measured_to_pay():
-    """tail_split="auto" splits where the last round fits in half a round and the walk is short: of the
-    benchmark's shapes on 132 SMs (2 ranks, 3 or 12 heads per rank), only 3 heads/8K (192 tiles), where the
-    split measured -15%; not the shapes where 6-7 chunks measured slower, nor full or single rounds."""
-    from flash_a2a.mapping import resolve_tail_split, tail_split_pays
+def test_tail_split_auto_takes_the_second_launch_where_the_last_round_splits():
+    """tail_split="auto" (the API's default) splits the last round in a second launch wherever the walk has a
+    whole round before a partly empty one that choose_tail_split splits: of the benchmark's shapes on 132 SMs
+    (2 ranks, 3 or 12 heads per rank), all but 3 heads/16K and 12 heads/48K (120-tile tails, which no k
+    shortens); the one-launch split keeps its own, measured, rule (tail_split_pays: 3 heads/8K only)."""
+    from flash_a2a.mapping import resolve_tail_split, tail_launch_pays, tail_split_pays
 
-    picked = [(h, s) for h in (3, 12) for s in (8192, 16384, 32768, 49152, 65536)
-              if tail_split_pays((s // 128) * h, 132)]
-    assert picked == [(3, 8192)]
-    assert not tail_split_pays(264, 132) and not tail_split_pays(100, 132)  # full rounds; one round
-    assert resolve_tail_split("auto", 192, 132) and not resolve_tail_split("auto", 768, 132)
-    assert resolve_tail_split(True, 768, 132) and not resolve_tail_split(False, 192, 132)
+    shapes = [(h, s) for h in (3, 12) for s in (8192, 16384, 32768, 49152, 65536)]
+    picked = [(h, s) for h, s in shapes if tail_launch_pays((s // 128) * h, 132, s // 128, 2)]
+    assert picked == [(3, 8192), (3, 32768), (3, 49152), (3, 65536), (12, 8192), (12, 16384), (12, 32768),
+                      (12, 65536)]
+    assert [(h, s) for h, s in shapes if tail_split_pays((s // 128) * h, 132)] == [(3, 8192)]
+    assert resolve_tail_split("auto", 192, 132, 64, 2) == "launch"
+    assert resolve_tail_split("auto", 384, 132, 128, 2) is False  # 3 heads/16K: no k pays
+    assert resolve_tail_split("auto", 264, 132, 64, 2) is False  # full rounds
+    assert resolve_tail_split("auto", 100, 132, 64, 2) is False  # one round
+    assert resolve_tail_split(True, 768, 132) == "kernel" == resolve_tail_split("kernel", 768, 132)
+    assert resolve_tail_split(False, 192, 132) is False and resolve_tail_split(None, 192, 132) is False
+    assert resolve_tail_split("launch", 264, 132) is False  # nothing to split: unsplit
+    # fused at P = 4 with 240 tiles: a 108-tile last round but 60 local tiles, so the tail launch (local
+    # stores, no ready gate) cannot take it: "auto" leaves it unsplit, an explicit "launch" is refused
+    assert resolve_tail_split("auto", 240, 132, 64, 4) is False
+    with pytest.raises(ValueError, match="not all local"):
+        resolve_tail_split("launch", 240, 132, 64, 4)
+    assert resolve_tail_split("auto", 240, 132, 64, 1) == "launch"  # the local kernel: every tile is local
     with pytest.raises(ValueError, match="auto"):
         resolve_tail_split("yes", 192, 132)
-    from flash_a2a.api import _resolved  # the API's knobs: a split not taken leaves the default kernel
 
-    assert _resolved({"pin_softmax": 34, "tail_split": "auto"}, 192, 132) == {"pin_softmax": 34, "tail_split": True}
-    assert _resolved({"pin_softmax": 34, "tail_split": "auto"}, 768, 132) == {"pin_softmax": 34}
-    assert _resolved({"tail_split": False}, 192, 132) == {} and _resolved({}, 192, 132) == {}
+
+def test_split_plan_falls_back_or_refuses_where_the_split_kernel_does_not_go():
+    """The API's plan: "auto" quietly runs unsplit where the split kernel does not take the other knobs
+    (instrumented spans, head_dim 64, another epilogue, a non-persistent launch); an explicit split says why."""
+    pytest.importorskip("cutlass")
+    from flash_a2a.api import _split_plan
+
+    base = {"head_dim": 128, "mode": "local"}
+    assert _split_plan({"pin_softmax": 34}, {**base, "pin_softmax": 34}, 192, 132, 64, 1) == ("launch",
+                                                                                              {"pin_softmax": 34})
+    assert _split_plan({"tail_split": True}, base, 192, 132, 64, 1) == ("kernel", {})
+    assert _split_plan({}, base, 264, 132, 64, 1) == (False, {})
+    for knobs, persistent in (({"store": "tma"}, True), ({"instrument": True}, True), ({"head_dim": 64}, True),
+                              ({}, False)):
+        assert _split_plan({}, {**base, **knobs}, 192, 132, 64, 1, persistent) == (False, {})
+        with pytest.raises(ValueError, match="tail_split"):
+            _split_plan({"tail_split": "launch"}, {**base, **knobs}, 192, 132, 64, 1, persistent)

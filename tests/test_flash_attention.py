@@ -345,12 +345,13 @@ def _worker(rank, world, init_file, path):
             for mode, knobs in variants:
                 for _ in range(2):
                     q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
-                    local = flash_attention(q, k, v)
+                    # unsplit on both sides (the split tail, the default where it pays, is _tail_split_worker's)
+                    local = flash_attention(q, k, v, tail_split=False)
                     gathered = [torch.empty_like(local) for _ in range(world)]
                     dist.all_gather(gathered, local)
                     ref = reference_post_a2a([g.cpu() for g in gathered])[rank]
                     fused.state(q).out.fill_(float("nan"))
-                    got = fused(q, k, v, mode=mode, **knobs)
+                    got = fused(q, k, v, mode=mode, tail_split=False, **knobs)
                     torch.cuda.synchronize()
                     fused.check()
                     assert torch.equal(got.cpu(), ref), (shape, mode, knobs)
@@ -528,22 +529,73 @@ def test_tail_split_compiles_and_refuses_what_it_does_not_cover(tmp_path):
             FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", "tail_split": True, **bad})
 
 
+def test_split_tail_launches_compile_and_keep_the_default_schedule(tmp_path):
+    """The split tail in two launches: the rounds kernel (local and fused) compiles to the default's KV-loop
+    schedule (the split's slower one is confined to the tail launch), lets its dependent launch early; the
+    fused tail kernel waits for the rounds' completion before its flags and runs no ready gate; bad
+    combinations are refused."""
+    from cute_kernels.compile import softmax_overlap
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    default = softmax_overlap(_sass(_compile(tmp_path / "default", head_dim=128, mode="local")))
+    for name, knobs in (("local", {"mode": "local"}), ("fused", {"mode": "piggyback", "n_dst": 2})):
+        rounds = _compile(tmp_path / f"rounds_{name}", head_dim=128, walk="rounds", **knobs)
+        assert softmax_overlap(_sass(rounds)) == default, name
+        assert rounds.ptx_count(r"griddepcontrol\.launch_dependents") >= 1
+        assert rounds.ptx_count(r"wgmma\.mma_async") >= 16
+    tail = _compile(tmp_path / "tail", head_dim=128, mode="piggyback", n_dst=2, walk="tail", tail_split=True,
+                    signal="done")
+    assert tail.ptx_count(r"griddepcontrol\.wait") >= 1
+    assert tail.ptx_count(r"atom(\.global)?\.acq_rel(\.gpu)?(\.global)?\.add") >= 1  # the chunk count
+    for bad in ({"walk": "tail"}, {"walk": "rounds", "tail_split": True}, {"walk": "sideways"},
+                {"walk": "tail", "tail_split": True, "mode": "piggyback", "n_dst": 2},  # with a ready gate
+                {"walk": "rounds", "instrument": True}):
+        with pytest.raises(ValueError, match="walk"):
+            FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", **bad})
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 8192, 3, 128), (1, 1024, 4, 128), (2, 4096, 9, 128)])
-def test_tail_split_matches_the_reference_and_the_default(shape):
-    """tail_split at shapes whose last round is split in 2 (192 tiles), 4 (32 tiles: every tile split) and 5
-    chunks (576 tiles): against fp64 (relative error <= 1e-2) and the default kernel (<= 1e-2), three times
-    with fresh inputs and a poisoned output (the chunk counters must be back at zero after each launch)."""
+@pytest.mark.parametrize("option", [True, "launch"])
+@pytest.mark.parametrize("shape", [(1, 8192, 3, 128), (1, 1024, 4, 128), (2, 4096, 9, 128), (1, 16384, 6, 128)])
+def test_tail_split_matches_the_reference_and_the_default(shape, option):
+    """The split tail in one launch (True) and in a second launch ("launch": the whole rounds, then the
+    chunks with programmatic dependent launch) at shapes whose last round is split in 2 (192 tiles), 4 (32
+    tiles: every tile split; "launch" leaves one round unsplit), 5 (576 tiles) and 6 chunks (768 tiles): against fp64
+    (relative error <= 1e-2) and the unsplit kernel (<= 1e-2), three times with fresh inputs and a poisoned
+    output (the chunk counters must be back at zero after each launch)."""
     from flash_a2a.api import flash_attention
 
     for _ in range(3):
         q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
         out = torch.full_like(q, float("nan"))
-        flash_attention(q, k, v, out=out, tile_order_world=2, tail_split=True)
+        flash_attention(q, k, v, out=out, tile_order_world=2, tail_split=option)
         torch.cuda.synchronize()
         assert not torch.isnan(out).any(), "unwritten output elements"
         assert rel_err(out, reference_attention(q, k, v)) <= 1e-2
-        assert rel_err(out, flash_attention(q, k, v, tile_order_world=2)) <= 1e-2
+        assert rel_err(out, flash_attention(q, k, v, tile_order_world=2, tail_split=False)) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_split_tail_launch_replays_in_a_cuda_graph():
+    """The default ("auto": two launches at 192 tiles, the second a programmatic dependent launch) captured in a
+    CUDA Graph and replayed with fresh inputs gives the eager result bit for bit each time."""
+    from flash_a2a.api import flash_attention
+
+    q, k, v = (torch.randn(1, 8192, 3, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)
+    flash_attention(q, k, v, out=out)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        flash_attention(q, k, v, out=out)
+    for _ in range(3):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t, dtype=torch.float32).to(torch.bfloat16))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, flash_attention(q, k, v, tail_split="launch"))
+        assert rel_err(out, reference_attention(q, k, v)) <= 1e-2
 
 
 def _tail_split_worker(rank, world, init_file, path):
@@ -556,23 +608,47 @@ def _tail_split_worker(rank, world, init_file, path):
 
         fused = FusedAttentionA2A()
         checked = 0
-        # tail_split: the fused kernel against the local kernel with the same split (each rank's own fused
+
+        def expected(q, k, v, option):
+            local = flash_attention(q, k, v, tile_order_world=world, tile_order_rank=rank, tail_split=option)
+            gathered = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(gathered, local)
+            return reference_post_a2a([g.cpu() for g in gathered])[rank]
+
+        # The split tail: the fused kernel against the local kernel with the same split (each rank's own fused
         # order, so both split the same last-round tiles in the same chunks) and the reference All-to-All, bit
-        # for bit; 192 tiles (last round of 60 tiles in 2 chunks) and 576 (48 in 5), both modes, fresh inputs
-        for shape in ((2, 4096, 3, 128), (2, 4096, 9, 128)):
-            for mode in ("piggyback", "completion_coupled"):
-                for _ in range(2):
-                    q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
-                    local = flash_attention(q, k, v, tile_order_world=world, tile_order_rank=rank, tail_split=True)
-                    gathered = [torch.empty_like(local) for _ in range(world)]
-                    dist.all_gather(gathered, local)
-                    ref = reference_post_a2a([g.cpu() for g in gathered])[rank]
-                    fused.state(q).out.fill_(float("nan"))
-                    got = fused(q, k, v, mode=mode, tail_split=True)
-                    torch.cuda.synchronize()
-                    fused.check()
-                    assert torch.equal(got.cpu(), ref), (shape, mode, "tail_split")
-                    checked += 1
+        # for bit; 192 tiles (last round of 60 tiles in 2 chunks) and 576 (48 in 5), both modes, one launch
+        # (True), two ("launch") and the default ("auto", two launches at both shapes), fresh inputs
+        for option in (True, "launch", "auto"):
+            for shape in ((2, 4096, 3, 128), (2, 4096, 9, 128)):
+                for mode in ("piggyback", "completion_coupled"):
+                    for _ in range(2):
+                        q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
+                        ref = expected(q, k, v, option)
+                        fused.state(q).out.fill_(float("nan"))
+                        got = fused(q, k, v, mode=mode, tail_split=option)
+                        torch.cuda.synchronize()
+                        fused.check()
+                        assert torch.equal(got.cpu(), ref), (shape, mode, option)
+                        checked += 1
+        # The default (two launches) in a CUDA Graph, replayed with fresh inputs: no stale epoch or counter.
+        q, k, v = (torch.randn(2, 4096, 3, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
+        fused(q, k, v)
+        torch.cuda.synchronize()
+        dist.barrier()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            graph_out = fused(q, k, v)
+        for _ in range(3):
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t, dtype=torch.float32).to(torch.bfloat16))
+            ref = expected(q, k, v, "auto")
+            g.replay()
+            torch.cuda.synchronize()
+            fused.check()
+            assert torch.equal(graph_out.cpu(), ref)
+            checked += 1
+            dist.barrier()
         with open(f"{path}.{rank}", "w") as f:
             json.dump({"checked": checked}, f)
 
@@ -580,4 +656,4 @@ def _tail_split_worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_tail_split_matches_local_split_plus_reference_a2a(tmp_path):
     for res in run_ranks(_tail_split_worker, tmp_path):
-        assert res["checked"] == 8
+        assert res["checked"] == 3 * 8 + 3

@@ -142,6 +142,12 @@ for stage in $stages; do
       # beside the default fused and FA-only, FA-only with tail_split and FA4, at M = $FADIAG_SEQ (default 8K,
       # where the last round splits in 2), 8 rounds, 32 adjacent pairs per column.
       pair_diag fa_tail_fused fatailfused "8192" '{"tail":{"tail_split":true},"ftail":{"mode":"piggyback","tail_split":true}}' --heads-per-rank 3 ;;
+    fasplit)
+      # The default since 2026-11-30, the split tail in a second launch (tail_split="auto": the whole rounds in
+      # the default kernel, then the last round's KV chunks, a programmatic dependent launch), beside the
+      # unsplit kernel and the one-launch split, FA-only and fused, and FA4, at M = $FADIAG_SEQ (default
+      # 8K/32K), 8 rounds, 32 adjacent pairs per column.
+      pair_diag fa_split fasplit "8192 32768" '{"nosplit":{"tail_split":false},"kernel":{"tail_split":true},"fnosplit":{"mode":"piggyback","tail_split":false}}' ;;
     fapeel)
       # store="paced" with the vector-carrying KV blocks peeled into a loop of their own (peel_drip), so the
       # plain overlapped loop holds no store, beside the predicated paced loop and the default burst, with the
