@@ -803,12 +803,25 @@ class FlashAttentionA2AForward:
         return kv_state
 
     @cute.jit
+    def partial_view(self, ws, tail_tile, chunk, k, thr):
+        """This thread's share of chunk ``chunk``'s partial of split tile ``tail_tile`` in the workspace:
+        PARTIAL_FLOATS // 4 16-byte vectors, vector-major over the CTA's MMA threads, so a warp's access to one
+        vector index is 512 contiguous bytes (thread-major, each warp load/store touched 32 lines and the
+        combining CTA's reads cost more than its chunk's compute)."""
+        n_thr = self.num_mma_wg * WG_THREADS
+        off = (Int64(tail_tile) * k + chunk) * (n_thr * PARTIAL_FLOATS) + Int64(thr) * 4
+        return cute.make_tensor(ws + cute.assume(off, divby=4),
+                                cute.make_layout((4, PARTIAL_FLOATS // 4), stride=(1, 4 * n_thr)))
+
+    @cute.jit
     def tail_partial(self, acc_o, softmax: OnlineSoftmax, out_ptrs, tail_tile, chunk, split, k, wg, tidx, sO) -> Int32:
         """tail_split, after a unit's Q-loop: a whole tile is normalized (returns 1: store it). A chunk of a
         split tile leaves this thread's unnormalized O and its two rows' max and (quad-summed) sum in the
         workspace, fenced; both MMA warpgroups meet, one thread counts the chunk on the tile's counter (the k-th
-        arrival resets it), and its CTA (returns 1) reads every chunk back and combines them into acc_o:
-        O = sum_i O_i 2^((m_i - m) s) / sum_i l_i 2^((m_i - m) s), m = max_i m_i; otherwise returns 0."""
+        arrival resets it), and its CTA (returns 1) reads the chunks back in chunk order, once each, and combines
+        them into acc_o online: m = max(m, m_i), O = O 2^((m_old - m) s) + O_i 2^((m_i - m) s), the same for
+        the sum l, then O / l (chunk order, not arrival order: the result does not depend on which CTA combines);
+        otherwise returns 0."""
         store_tile = Int32(1)
         if split == 0:
             softmax.rescale(acc_o, softmax.finalize())
@@ -816,17 +829,14 @@ class FlashAttentionA2AForward:
             n_o = cute.size(acc_o)
             n_rows = cute.size(softmax.row_max)
             ws = cute.make_ptr(Float32, out_ptrs[self.n_dst], cute.AddressSpace.gmem, assumed_align=16)
-            base_slot = (tail_tile * k * self.num_mma_wg + wg) * WG_THREADS + tidx % WG_THREADS
-            chunk_stride = self.num_mma_wg * WG_THREADS * PARTIAL_FLOATS  # floats between chunks of a tile
-            part = cute.make_rmem_tensor(PARTIAL_FLOATS, Float32)
+            thr = wg * WG_THREADS + tidx % WG_THREADS
+            part = cute.make_rmem_tensor((4, PARTIAL_FLOATS // 4), Float32)
             for i in cutlass.range_constexpr(n_o):
                 part[i] = acc_o[i]
             for r in cutlass.range_constexpr(n_rows):
                 part[n_o + r] = softmax.row_max[r]
                 part[n_o + n_rows + r] = cute.arch.warp_reduction_sum(softmax.row_sum[r], threads_in_group=4)
-            mine = cute.make_tensor(ws + (Int64(base_slot) * PARTIAL_FLOATS + Int64(chunk) * chunk_stride),
-                                    cute.make_layout(PARTIAL_FLOATS))
-            cute.autovec_copy(part, mine)
+            cute.autovec_copy(part, self.partial_view(ws, tail_tile, chunk, k, thr))
             cute.arch.fence_acq_rel_gpu()  # this thread's partial before the count (CUDA's threadfence pattern)
             cute.arch.barrier(barrier_id=TAIL_BARRIER, number_of_threads=self.num_mma_wg * WG_THREADS)
             flag = cute.make_tensor(cute.recast_ptr(sO.iterator, dtype=Int32), cute.make_layout(1))
@@ -841,31 +851,28 @@ class FlashAttentionA2AForward:
             store_tile = flag[0]
             if store_tile != 0:
                 cute.arch.fence_acq_rel_gpu()  # the other chunks' partials after their counts
-                row_m = cute.make_rmem_tensor(n_rows, Float32)
-                for r in cutlass.range_constexpr(n_rows):
-                    row_m[r] = softmax.row_max[r] - softmax.row_max[r] - Float32(math.inf)
-                for i in cutlass.range(k, unroll=1):
-                    other = cute.make_tensor(ws + (Int64(base_slot) * PARTIAL_FLOATS + Int64(i) * chunk_stride),
-                                             cute.make_layout(PARTIAL_FLOATS))
-                    cute.autovec_copy(other, part)
-                    for r in cutlass.range_constexpr(n_rows):
-                        row_m[r] = cute.arch.fmax(row_m[r], part[n_o + r])
-                row_l = cute.make_rmem_tensor(n_rows, Float32)
-                row_l.fill(0.0)
-                acc_o.fill(0.0)
                 acc_mn = layout_utils.reshape_acc_to_mn(acc_o)
                 part_o = cute.make_fragment_like(acc_o, Float32)
                 part_mn = layout_utils.reshape_acc_to_mn(part_o)
-                for i in cutlass.range(k, unroll=1):
-                    other = cute.make_tensor(ws + (Int64(base_slot) * PARTIAL_FLOATS + Int64(i) * chunk_stride),
-                                             cute.make_layout(PARTIAL_FLOATS))
-                    cute.autovec_copy(other, part)
+                row_m = cute.make_rmem_tensor(n_rows, Float32)
+                row_l = cute.make_rmem_tensor(n_rows, Float32)
+                cute.autovec_copy(self.partial_view(ws, tail_tile, 0, k, thr), part)  # chunk 0 starts the sums
+                for j in cutlass.range_constexpr(n_o):
+                    acc_o[j] = part[j]
+                for r in cutlass.range_constexpr(n_rows):
+                    row_m[r] = part[n_o + r]
+                    row_l[r] = part[n_o + n_rows + r]
+                for i in cutlass.range(1, k, unroll=1):
+                    cute.autovec_copy(self.partial_view(ws, tail_tile, i, k, thr), part)
                     for j in cutlass.range_constexpr(n_o):
                         part_o[j] = part[j]
                     for r in cutlass.range_constexpr(n_rows):
-                        w = cute.math.exp2((part[n_o + r] - row_m[r]) * softmax.scale_log2, fastmath=True)
-                        row_l[r] = row_l[r] + part[n_o + n_rows + r] * w
-                        acc_mn[r, None].store(acc_mn[r, None].load() + part_mn[r, None].load() * w)
+                        m_new = cute.arch.fmax(row_m[r], part[n_o + r])
+                        c_old = cute.math.exp2((row_m[r] - m_new) * softmax.scale_log2, fastmath=True)
+                        c_new = cute.math.exp2((part[n_o + r] - m_new) * softmax.scale_log2, fastmath=True)
+                        row_m[r] = m_new
+                        row_l[r] = row_l[r] * c_old + part[n_o + n_rows + r] * c_new
+                        acc_mn[r, None].store(acc_mn[r, None].load() * c_old + part_mn[r, None].load() * c_new)
                 for r in cutlass.range_constexpr(n_rows):
                     inv = cute.arch.rcp_approx(row_l[r])
                     acc_mn[r, None].store(acc_mn[r, None].load() * inv)

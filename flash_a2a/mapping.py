@@ -219,18 +219,36 @@ def unit_work(u, full, k, n_kv):
     return tile, kv_begin, kv_end, (1 - whole) * chunk, 1 - whole
 
 
-def choose_tail_split(n_tiles: int, grid: int, n_kv: int, max_k: int = 16, cost_per_chunk: float = 0.01) -> int:
-    """The chunk count k for the last round's tiles: the fewest tile-times the split tail takes,
-    ceil(tail·k / grid) / k, plus ``cost_per_chunk`` tile-times per chunk (a chunk reloads Q and refills the
-    K/V pipeline, and the combining CTA reads every chunk's partial O); 1 when the last round is full."""
+# What one chunk of a split tile costs beyond its share of the tile's KV blocks, in KV-block times: the Q load,
+# the K/V pipeline's fill and drain (the first block's QKᵀ and the last block's PV, unoverlapped), the fenced
+# partial and the chunk count, and a share of the combine. An estimate (2 x H200: a KV block takes ~1.46 µs
+# of a CTA at d = 128; fa_split_c46d572, where the chunk overhead with the old thread-major workspace was
+# ~20 µs per chunk round, and its vector-major rewrite).
+CHUNK_COST_KV_BLOCKS = 3.5
+# What the second launch costs (tail_split="launch"), in KV-block times: the tail kernel's launch and prologue
+# (2 x H200, 3 heads/8K: +2.4 µs against the one-launch split, fa_split_c46d572).
+LAUNCH_COST_KV_BLOCKS = 2.0
+
+
+def split_tail_time(tail: int, grid: int, n_kv: int, k: int,
+                    chunk_cost_kv_blocks: float = CHUNK_COST_KV_BLOCKS) -> float:
+    """The last round's time, in tile-times, with its ``tail`` tiles split into ``k`` KV chunks over ``grid``
+    CTAs: ceil(tail·k / grid) rounds of chunks, each 1/k of a tile plus the chunk cost; 1 for k = 1."""
+    if k == 1:
+        return 1.0
+    return -(-tail * k // grid) * (1.0 / k + chunk_cost_kv_blocks / n_kv)
+
+
+def choose_tail_split(n_tiles: int, grid: int, n_kv: int, max_k: int = 16,
+                      chunk_cost_kv_blocks: float = CHUNK_COST_KV_BLOCKS) -> int:
+    """The chunk count k for the last round's tiles: the one whose split tail takes the fewest tile-times
+    (``split_tail_time``); 1 (no split) when the last round is full or no split beats the whole tiles."""
     tail = n_tiles % grid  # the whole walk when the tiles fit in one round
-    return 1 if tail == 0 else _best_k(tail, grid, n_kv, max_k, cost_per_chunk)
-
-
-def _best_k(tail: int, grid: int, n_kv: int, max_k: int, cost: float) -> int:
-    best_k, best = 1, 1.0 + cost
+    if tail == 0:
+        return 1
+    best_k, best = 1, 1.0
     for k in range(2, min(max_k, n_kv) + 1):
-        t = -(-tail * k // grid) / k + cost * k
+        t = split_tail_time(tail, grid, n_kv, k, chunk_cost_kv_blocks)
         if t < best - 1e-9:
             best_k, best = k, t
     return best_k
@@ -249,13 +267,17 @@ def tail_split_pays(n_tiles: int, grid: int, max_rounds: int = 2) -> bool:
 
 def tail_launch_pays(n_tiles: int, grid: int, n_kv: int, world: int = 1) -> bool:
     """Where the split tail in a second launch (tail_split="launch") is taken by "auto": the walk has a whole
-    round before a partly empty one, ``choose_tail_split`` splits that round (k > 1), and, fused, the fused
+    round before a partly empty one, ``choose_tail_split`` splits that round (k > 1) and saves more than the
+    second launch costs (``LAUNCH_COST_KV_BLOCKS``), and, fused, the fused
     walk's local tail covers it (the tail launch stores locally and runs no ready gate; ``world`` = 1: the
     local kernel, every tile local). Its rounds kernel
     keeps the default's KV loop, so only the chunks pay the split's slower schedule."""
     tail = n_tiles % grid
-    return (n_tiles >= grid and tail > 0 and choose_tail_split(n_tiles, grid, n_kv) > 1
-            and (world == 1 or local_tail(n_tiles, world, grid) >= tail))
+    if n_tiles < grid or tail == 0 or not (world == 1 or local_tail(n_tiles, world, grid) >= tail):
+        return False
+    k = choose_tail_split(n_tiles, grid, n_kv)
+    saved_kv_blocks = (1.0 - split_tail_time(tail, grid, n_kv, k)) * n_kv
+    return k > 1 and saved_kv_blocks > LAUNCH_COST_KV_BLOCKS
 
 
 TAIL_SPLITS = (False, True, "kernel", "launch", "auto")
