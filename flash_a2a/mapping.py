@@ -219,28 +219,31 @@ def unit_work(u, full, k, n_kv):
     return tile, kv_begin, kv_end, (1 - whole) * chunk, 1 - whole
 
 
-# What one chunk of a split tile costs beyond its share of the tile's KV blocks, in KV-block times: the Q load,
-# the K/V pipeline's fill and drain (the first block's QKᵀ and the last block's PV, unoverlapped), the fenced
-# partial and the chunk count, and a share of the combine. An estimate (2 x H200: a KV block takes ~1.46 µs
-# of a CTA at d = 128; fa_split_c46d572, where the chunk overhead with the old thread-major workspace was
-# ~20 µs per chunk round, and its vector-major rewrite).
-CHUNK_COST_KV_BLOCKS = 3.5
-# What the second launch costs (tail_split="launch"), in KV-block times: the tail kernel's launch and prologue
-# (2 x H200, 3 heads/8K: +2.4 µs against the one-launch split, fa_split_c46d572).
+# The split tail's time per round of chunks, in tile-times: CHUNK_TIME_FACTOR / k + CHUNK_COST_KV_BLOCKS / n_kv.
+# A chunk's KV blocks run slower than a whole tile's (the split kernel's KV loop is ptxas's 61-exponential
+# schedule, and each chunk refills the K/V pipeline), and each chunk round pays a fixed part (the Q load, the
+# fenced partial and count, the combining CTA's reads and the tile's store, the second launch). Fitted to the
+# split-against-unsplit pairs of the full 2 x H200 run at 6c95827 (benchmarks/results/h200x2/flash_a2a.json,
+# column fa_ours_nosplit, six shapes with k = 2..11): 1.1 and 6 KV blocks (~9 µs at d = 128) put five of the
+# six within 0.02 tile-times of the measurement (3 heads/8K 0.64 vs 0.65 measured, 3 heads/32K 1.03 vs
+# 0.996, 48K 0.87 vs 0.85, 64K 0.76 vs 0.77, 12 heads/16K 0.83 vs 0.84; 12 heads/32K 0.36 vs 0.50).
+CHUNK_TIME_FACTOR = 1.1
+CHUNK_COST_KV_BLOCKS = 6.0
+# What the second launch must at least save (tail_split="launch"), in KV-block times: the tail kernel's launch
+# and prologue (2 x H200, 3 heads/8K: +2.4 µs against the one-launch split, fa_split_c46d572).
 LAUNCH_COST_KV_BLOCKS = 2.0
 
 
-def split_tail_time(tail: int, grid: int, n_kv: int, k: int,
-                    chunk_cost_kv_blocks: float = CHUNK_COST_KV_BLOCKS) -> float:
+def split_tail_time(tail: int, grid: int, n_kv: int, k: int) -> float:
     """The last round's time, in tile-times, with its ``tail`` tiles split into ``k`` KV chunks over ``grid``
-    CTAs: ceil(tail·k / grid) rounds of chunks, each 1/k of a tile plus the chunk cost; 1 for k = 1."""
+    CTAs: ceil(tail·k / grid) rounds of chunks, each CHUNK_TIME_FACTOR / k of a tile plus
+    CHUNK_COST_KV_BLOCKS; 1 for k = 1."""
     if k == 1:
         return 1.0
-    return -(-tail * k // grid) * (1.0 / k + chunk_cost_kv_blocks / n_kv)
+    return -(-tail * k // grid) * (CHUNK_TIME_FACTOR / k + CHUNK_COST_KV_BLOCKS / n_kv)
 
 
-def choose_tail_split(n_tiles: int, grid: int, n_kv: int, max_k: int = 16,
-                      chunk_cost_kv_blocks: float = CHUNK_COST_KV_BLOCKS) -> int:
+def choose_tail_split(n_tiles: int, grid: int, n_kv: int, max_k: int = 16) -> int:
     """The chunk count k for the last round's tiles: the one whose split tail takes the fewest tile-times
     (``split_tail_time``); 1 (no split) when the last round is full or no split beats the whole tiles."""
     tail = n_tiles % grid  # the whole walk when the tiles fit in one round
@@ -248,7 +251,7 @@ def choose_tail_split(n_tiles: int, grid: int, n_kv: int, max_k: int = 16,
         return 1
     best_k, best = 1, 1.0
     for k in range(2, min(max_k, n_kv) + 1):
-        t = split_tail_time(tail, grid, n_kv, k, chunk_cost_kv_blocks)
+        t = split_tail_time(tail, grid, n_kv, k)
         if t < best - 1e-9:
             best_k, best = k, t
     return best_k
