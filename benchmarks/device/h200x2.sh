@@ -45,13 +45,13 @@ for stage in $stages; do
     fatests)
       timeout 300 python3 -m pytest -q -x -rs tests/test_flash_attention.py tests/test_flash_a2a_scatter.py 2>&1 | tee "$OUT/pytest_fa.log" ;;
     fa)
-      # FA_ARGS overrides the default, which fills one device call on its own (all 10 rows in 589 s with
-      # install at 7fc5a06, 5 rounds and 32 pairs of 4 kinds; the speedup's pairs since make 5 kinds, hence
-      # 28 pairs): without the variant columns measured before (RUNS.md; the self-store control runs in
-      # fadiag/faparts). The JSON is rewritten after every row, so a run cut short keeps its rows.
-      fa_default='--replays 5 --alternate-pairs 28 --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent
-        fa_ours_pin_all fa_ours_unpinned'
-      timeout ${FA_TIMEOUT:-580} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/flash_a2a.json" \
+      # FA_ARGS overrides the default, which fills one device call on its own (all 10 rows in 558 s with
+      # install at 6c95827: 5 rounds and 20 pairs of 6 kinds, the unsplit default kernel as an FA-only variant
+      # beside the split-tail default), without the variant columns measured before (RUNS.md; the self-store
+      # control runs in fadiag/faparts). The JSON is rewritten after every row, so a run cut short keeps its rows.
+      fa_default='--replays 5 --alternate-pairs 20 --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent
+        fa_ours_pin_all fa_ours_unpinned --variants {"nosplit":{"tail_split":false}}'
+      timeout ${FA_TIMEOUT:-548} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/flash_a2a.json" \
         ${FA_ARGS:-$fa_default} 2>&1 | tee "$OUT/fa.log" ;;
     faonly)
       # FA-only against flash-attn-4 and cuDNN at every shape of the main run, 10 rounds, and for T_FA >= 500 µs
