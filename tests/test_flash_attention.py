@@ -559,8 +559,8 @@ def test_split_tail_launches_compile_and_keep_the_default_schedule(tmp_path):
 @pytest.mark.parametrize("shape", [(1, 8192, 3, 128), (1, 8192, 1, 128), (2, 4096, 9, 128), (1, 4096, 13, 128)])
 def test_tail_split_matches_the_reference_and_the_default(shape, option):
     """The split tail in one launch (True) and in a second launch ("launch": the whole rounds, then the
-    chunks with programmatic dependent launch) at shapes whose last round is split in 2 (192 tiles), 2 (64
-    tiles: every tile split; "launch" leaves one round unsplit), 2 (576 tiles) and 6 chunks (416 tiles): against fp64
+    chunks with programmatic dependent launch) at shapes whose last round is split in 2 (192 tiles), 2 (576
+    tiles) and 6 chunks (416 tiles), and at 64 tiles (one CTA per tile: nothing to split): against fp64
     (relative error <= 1e-2) and the unsplit kernel (<= 1e-2), three times with fresh inputs and a poisoned
     output (the chunk counters must be back at zero after each launch)."""
     from flash_a2a.api import flash_attention
