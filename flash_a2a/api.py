@@ -133,7 +133,8 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     kernel and then the chunks in a second, programmatic dependent launch, wherever the last round splits;
     True/"kernel" splits inside the one launch (its KV loop then schedules slower, every tile); False never.
     A split tile differs from the unsplit kernel's in the last bits (another summation order) and is the
-    same bit for bit in the fused kernel with the same option."""
+    same bit for bit in the fused kernel with the same option. The split's workspace is per shape: calls of
+    one shape on concurrent streams must be ordered (or pass tail_split=False)."""
     if not 0 <= tile_order_rank < tile_order_world:
         raise ValueError(f"tile_order_rank must be in [0, {tile_order_world}) (a rank of the tile order's "
                          f"world), got {tile_order_rank}")
@@ -198,7 +199,9 @@ _TAIL_ARGS: dict = {}
 def _tail_split_args(device, n_tiles: int, grid: int, n_kv: int) -> torch.Tensor:
     """tail_split's run-time arguments, in the local kernel's out_ptrs: [unused, float32 workspace address,
     Int32 counters' address (one per split tile, zero between launches), chunk count k]. Allocated once per
-    (device, tiles, grid, KV blocks), so CUDA-Graph capture and replay see the same buffers."""
+    (device, tiles, grid, KV blocks), so CUDA-Graph capture and replay see the same buffers. Launches of one
+    shape share them: split launches of the same shape on two streams at once must be ordered (an event) or
+    run with tail_split=False, as the fused op's symmetric output already requires."""
     key = (device, n_tiles, grid, n_kv)
     if key not in _TAIL_ARGS:
         _TAIL_ARGS[key] = _new_tail_split_args(device, n_tiles, grid, n_kv)
