@@ -49,8 +49,10 @@ for stage in $stages; do
       # install at 6c95827: 5 rounds and 20 pairs of 6 kinds, the unsplit default kernel as an FA-only variant
       # beside the split-tail default), without the variant columns measured before (RUNS.md; the self-store
       # control runs in fadiag/faparts). The JSON is rewritten after every row, so a run cut short keeps its rows.
-      fa_default='--replays 5 --alternate-pairs 20 --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent
-        fa_ours_pin_all fa_ours_unpinned --variants {"nosplit":{"tail_split":false}}'
+      # Since 23a6417 also --alternate-min-us 0: the 3 heads/8K row's residual and ratios from pairs too (its
+      # round-paired E_res was +7.2 µs at 6c95827 where 32 pairs gave +3.7 in fa_split_c46d572; a few seconds).
+      fa_default='--replays 5 --alternate-pairs 20 --alternate-min-us 0 --skip fa_ours_no_overlap fa_ours_lag_v
+        fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned --variants {"nosplit":{"tail_split":false}}'
       timeout ${FA_TIMEOUT:-548} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/flash_a2a.json" \
         ${FA_ARGS:-$fa_default} 2>&1 | tee "$OUT/fa.log" ;;
     faonly)
@@ -136,6 +138,7 @@ for stage in $stages; do
       # tail_split (the last round's tiles in KV chunks over the CTAs that would idle, combined by the last
       # chunk's CTA) with the default pin (ptxas then issues 61 of 66 exponentials ahead of the PV wait) and
       # pin_softmax=34 (50), FA-only beside the default and FA4, at M = $FADIAG_SEQ, 8 rounds, 32 pairs each.
+      # (The default is the split tail in a second launch since 6c95827; before, the unsplit kernel.)
       pair_diag fa_tail fatail "8192 32768" '{"tail":{"tail_split":true},"tail34":{"tail_split":true,"pin_softmax":34}}' fused serial_fa4_nccl ;;
     fatailfused)
       # tail_split in the fused kernel (its last round is local tiles, so the combining CTA stores locally)
