@@ -177,20 +177,28 @@ def _split_plan(variant: dict, knobs: dict, n_tiles: int, grid: int, n_kv: int, 
     plan = resolve_tail_split(option, n_tiles, grid, n_kv, world)
     if not plan:
         return False, rest
-    why = None
-    if not persistent:
-        why = "persistent=False"
-    else:
-        try:
-            FlashAttentionA2AForward(**{**knobs, "tail_split": True, "walk": "all"})
-        except ValueError as e:
-            why = str(e)
+    why = "persistent=False" if not persistent else _split_refusal(tuple(sorted(knobs.items())))
     if why is not None:
         if option == "auto":
             return False, rest
         raise ValueError(f"tail_split={option!r} splits the persistent walk's last round, which these options "
                          f"exclude ({why}): drop them or pass tail_split=False")
     return plan, rest
+
+
+_REFUSALS: dict = {}
+
+
+def _split_refusal(knobs: tuple):
+    """Why the split kernel does not take these constructor knobs (its ValueError), or None; once per knob
+    set (every eager call asks)."""
+    if knobs not in _REFUSALS:
+        try:
+            FlashAttentionA2AForward(**{**dict(knobs), "tail_split": True, "walk": "all"})
+            _REFUSALS[knobs] = None
+        except ValueError as e:
+            _REFUSALS[knobs] = str(e)
+    return _REFUSALS[knobs]
 
 
 _TAIL_ARGS: dict = {}
