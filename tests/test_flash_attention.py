@@ -313,13 +313,49 @@ def test_flash_attention_strided_inputs_and_scale():
     assert rel_err(out, reference_attention(q, k, v, 0.05)) <= 1e-2
 
 
-def _worker(rank, world, init_file, path):
+def _post_a2a_reference(q, k, v, rank, world, **variant):
+    """This rank's expected fused output: our local kernel in this rank's fused tile order (with ``variant``,
+    e.g. the same tail_split), gathered from every rank, then the reference All-to-All on the CPU."""
     import torch.distributed as dist
+    from flash_a2a.api import flash_attention
+    from flash_a2a.mapping import reference_post_a2a
+
+    local = flash_attention(q, k, v, tile_order_world=world, tile_order_rank=rank, **variant)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    return reference_post_a2a([g.cpu() for g in gathered])[rank]
+
+
+def _check_graph_replays(fused, shape, rank, world, replays: int = 3) -> int:
+    """The fused default captured in a CUDA Graph (warmed up outside it) and replayed with fresh inputs
+    equals the local default + reference All-to-All bit for bit each time: no stale epoch or counter.
+    Returns the number of replays checked."""
+    import torch.distributed as dist
+
+    q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
+    fused(q, k, v)
+    torch.cuda.synchronize()
+    dist.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graph_out = fused(q, k, v)
+    for _ in range(replays):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t, dtype=torch.float32).to(torch.bfloat16))
+        ref = _post_a2a_reference(q, k, v, rank, world)
+        g.replay()
+        torch.cuda.synchronize()
+        fused.check()
+        assert torch.equal(graph_out.cpu(), ref)
+        dist.barrier()
+    return replays
+
+
+def _worker(rank, world, init_file, path):
     from cute_kernels.dist import process_group
 
     with process_group(rank, world, init_file):
-        from flash_a2a.api import FusedAttentionA2A, UlyssesAttention, flash_attention
-        from flash_a2a.mapping import reference_post_a2a
+        from flash_a2a.api import FusedAttentionA2A, UlyssesAttention
 
         fused = FusedAttentionA2A()
         checked = 0
@@ -346,10 +382,7 @@ def _worker(rank, world, init_file, path):
                 for _ in range(2):
                     q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
                     # unsplit on both sides (the split tail, the default where it pays, is _tail_split_worker's)
-                    local = flash_attention(q, k, v, tail_split=False)
-                    gathered = [torch.empty_like(local) for _ in range(world)]
-                    dist.all_gather(gathered, local)
-                    ref = reference_post_a2a([g.cpu() for g in gathered])[rank]
+                    ref = _post_a2a_reference(q, k, v, rank, world, tail_split=False)
                     fused.state(q).out.fill_(float("nan"))
                     got = fused(q, k, v, mode=mode, tail_split=False, **knobs)
                     torch.cuda.synchronize()
@@ -357,25 +390,7 @@ def _worker(rank, world, init_file, path):
                     assert torch.equal(got.cpu(), ref), (shape, mode, knobs)
                     checked += 1
         # CUDA Graph replays with fresh inputs.
-        q, k, v = (torch.randn(1, 2048, 2, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
-        fused(q, k, v)
-        torch.cuda.synchronize()
-        dist.barrier()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            graph_out = fused(q, k, v)
-        for _ in range(3):
-            for t in (q, k, v):
-                t.copy_(torch.randn_like(t, dtype=torch.float32).to(torch.bfloat16))
-            local = flash_attention(q, k, v)
-            gathered = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(gathered, local)
-            g.replay()
-            torch.cuda.synchronize()
-            fused.check()
-            assert torch.equal(graph_out.cpu(), reference_post_a2a([x.cpu() for x in gathered])[rank])
-            checked += 1
-            dist.barrier()
+        checked += _check_graph_replays(fused, (1, 2048, 2, 128), rank, world)
         # Per-tile instrumentation: one span row per (tile, MMA warpgroup), then one ready row per CTA (the
         # grid is one CTA per tile here: 16 tiles), every one written and ordered.
         q, k, v = (torch.randn(1, 1024, 2, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
@@ -599,21 +614,13 @@ def test_split_tail_launch_replays_in_a_cuda_graph():
 
 
 def _tail_split_worker(rank, world, init_file, path):
-    import torch.distributed as dist
     from cute_kernels.dist import process_group
 
     with process_group(rank, world, init_file):
-        from flash_a2a.api import FusedAttentionA2A, flash_attention
-        from flash_a2a.mapping import reference_post_a2a
+        from flash_a2a.api import FusedAttentionA2A
 
         fused = FusedAttentionA2A()
         checked = 0
-
-        def expected(q, k, v, option):
-            local = flash_attention(q, k, v, tile_order_world=world, tile_order_rank=rank, tail_split=option)
-            gathered = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(gathered, local)
-            return reference_post_a2a([g.cpu() for g in gathered])[rank]
 
         # The split tail: the fused kernel against the local kernel with the same split (each rank's own fused
         # order, so both split the same last-round tiles in the same chunks) and the reference All-to-All, bit
@@ -625,31 +632,15 @@ def _tail_split_worker(rank, world, init_file, path):
                 for mode in ("piggyback", "completion_coupled"):
                     for _ in range(2):
                         q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
-                        ref = expected(q, k, v, option)
+                        ref = _post_a2a_reference(q, k, v, rank, world, tail_split=option)
                         fused.state(q).out.fill_(float("nan"))
                         got = fused(q, k, v, mode=mode, tail_split=option)
                         torch.cuda.synchronize()
                         fused.check()
                         assert torch.equal(got.cpu(), ref), (shape, mode, option)
                         checked += 1
-        # The default (two launches) in a CUDA Graph, replayed with fresh inputs: no stale epoch or counter.
-        q, k, v = (torch.randn(2, 4096, 3, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
-        fused(q, k, v)
-        torch.cuda.synchronize()
-        dist.barrier()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            graph_out = fused(q, k, v)
-        for _ in range(3):
-            for t in (q, k, v):
-                t.copy_(torch.randn_like(t, dtype=torch.float32).to(torch.bfloat16))
-            ref = expected(q, k, v, "auto")
-            g.replay()
-            torch.cuda.synchronize()
-            fused.check()
-            assert torch.equal(graph_out.cpu(), ref)
-            checked += 1
-            dist.barrier()
+        # The default (two launches at 192 tiles) in a CUDA Graph, replayed with fresh inputs.
+        checked += _check_graph_replays(fused, (2, 4096, 3, 128), rank, world)
         with open(f"{path}.{rank}", "w") as f:
             json.dump({"checked": checked}, f)
 
