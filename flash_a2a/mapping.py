@@ -257,17 +257,6 @@ def choose_tail_split(n_tiles: int, grid: int, n_kv: int, max_k: int = 16) -> in
     return best_k
 
 
-def tail_split_pays(n_tiles: int, grid: int, max_rounds: int = 2) -> bool:
-    """Where the one-launch split (tail_split="kernel") was measured to pay with its slower KV-loop schedule
-    (61 of 66 exponentials ahead of the PV wait, every tile): the last round's tiles fit in half a round (k = 2,
-    one chunk round, half a tile-time saved) and the walk has at most ``max_rounds`` rounds (2 x H200, 3
-    heads/rank at 8K: 192 tiles, -15% FA-only and fused; at 6-7 chunks, 3 heads/32K and 12 heads/8K and /32K,
-    it was slower)."""
-    tail = n_tiles % grid
-    rounds = -(-n_tiles // grid)
-    return n_tiles >= grid and tail > 0 and 2 * tail <= grid and rounds <= max_rounds
-
-
 def tail_launch_pays(n_tiles: int, grid: int, n_kv: int, world: int = 1) -> bool:
     """Where the split tail in a second launch (tail_split="launch") is taken by "auto": the walk has a whole
     round before a partly empty one, ``choose_tail_split`` splits that round (k > 1) and saves more than the
