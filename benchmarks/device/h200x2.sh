@@ -164,6 +164,13 @@ for stage in $stages; do
       # beside the default (every flag at the end), with and without NVLink.
       # (fused_early_89dce51.json ran with early_done the default: its "late" columns are today's default.)
       FADIAG_SEQ=${FADIAG_SEQ:-8192 16384} protocol_diag fused_early faearly '{"early":{"mode":"piggyback","early_done":true},"last":{"mode":"piggyback","early_done":"last_epilogue"},"self":{"mode":"piggyback","self_store":true},"self_last":{"mode":"piggyback","self_store":true,"early_done":"last_epilogue"}}' ;;
+    faclocks)
+      # SM clock, power and clock-event reasons (nvidia-smi every 20 ms) while our FA-only and FA4 run back to
+      # back from CUDA Graphs, alternating, 6 phases of 1.5 s per shape (12 heads/48K, 3 heads/32K and 16K:
+      # unsplit, where FA4 leads by ~2%), one GPU (benchmarks/fa_clocks.py).
+      mkdir -p "$OUT/h200x2"
+      timeout ${FA_TIMEOUT:-240} python3 benchmarks/fa_clocks.py --out "$OUT/h200x2/fa_clocks.json" 2>&1 \
+        | tee "$OUT/faclocks.log" ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)

@@ -1,0 +1,155 @@
+"""SM clock and board power while our FA-only and flash-attn-4 run, one GPU: is FA4's ~2% lead at the
+unsplit long shapes a faster schedule at the same clock, or the same work at a higher clock?
+
+Each kernel is captured in a CUDA Graph and replayed back to back for ``--seconds`` per phase, the two
+kernels alternating for ``--phases`` phases per shape, while ``nvidia-smi -lms`` samples the SM clock,
+power and the active clock-event reasons. Per phase: the median time per launch (CUDA events around each
+batch of replays) and the median of the samples taken inside it (its first ``--settle`` seconds dropped).
+Usage (device): PYTHONPATH=$PWD python3 benchmarks/fa_clocks.py --out $OUT/fa_clocks.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+SMI_FIELDS_OLD = "timestamp,clocks.sm,power.draw,temperature.gpu"  # a driver without the reasons field
+
+
+def parse_smi(lines: list[str]) -> list[tuple[float, float, float, float, str]]:
+    """nvidia-smi CSV rows (``SMI_FIELDS`` or ``SMI_FIELDS_OLD``, noheader, nounits) -> (unix time, SM MHz,
+    W, °C, reasons or ""); rows that do not parse (a header, a cut last line) are skipped. The timestamp is
+    local time."""
+    out = []
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 4:
+            parts.append("")
+        if len(parts) != 5:
+            continue
+        try:
+            stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            out.append((stamp, float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
+        except ValueError:
+            continue
+    return out
+
+
+def phase_samples(samples, start: float, end: float, settle: float):
+    """The samples taken in [start + settle, end]."""
+    return [s for s in samples if start + settle <= s[0] <= end]
+
+
+def summarize(samples) -> dict:
+    if not samples:
+        return {"samples": 0}
+    reasons: dict[str, int] = {}
+    for s in samples:
+        reasons[s[4]] = reasons.get(s[4], 0) + 1
+    return {"samples": len(samples), "sm_mhz": statistics.median(s[1] for s in samples),
+            "power_w": statistics.median(s[2] for s in samples),
+            "temp_c": statistics.median(s[3] for s in samples), "reasons": reasons}
+
+
+def _run(args) -> dict:
+    import torch
+
+    from cute_kernels.runtime import provenance
+    from flash_a2a.api import flash_attention
+    from flash_attn.cute import flash_attn_func
+
+    def fa4(q, k, v):
+        r = flash_attn_func(q, k, v)
+        return r[0] if isinstance(r, tuple) else r
+
+    dev = str(torch.cuda.current_device())
+    probe = subprocess.run(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i", dev],
+                           capture_output=True, text=True, check=False)
+    fields = SMI_FIELDS if probe.returncode == 0 else SMI_FIELDS_OLD
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
+                            "-i", dev, f"--loop-ms={args.sample_ms}"],
+                           stdout=subprocess.PIPE, text=True)
+    rows = []
+    try:
+        for spec in args.shapes:
+            b, s, h = (int(x) for x in spec.split("x"))
+            q, k, v = (torch.randn(b, s, h, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
+            kernels = {"fa_ours": lambda: flash_attention(q, k, v, tile_order_world=2),
+                       "fa4": lambda: fa4(q, k, v)}
+            graphs = {}
+            for name, fn in kernels.items():
+                for _ in range(3):
+                    fn()  # compile and warm up outside the graph
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn()
+                graphs[name] = g
+            for name in graphs:
+                graphs[name].replay()
+            torch.cuda.synchronize()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs["fa_ours"].replay()
+            stop.record()
+            torch.cuda.synchronize()
+            per_launch_s = start.elapsed_time(stop) / 1e3
+            batch = max(1, int(0.05 / per_launch_s))  # ~50 ms of replays between host checks
+            for phase in range(args.phases):
+                for name in (("fa_ours", "fa4") if phase % 2 == 0 else ("fa4", "fa_ours")):
+                    times = []
+                    t0 = time.time()
+                    while time.time() - t0 < args.seconds:
+                        start.record()
+                        for _ in range(batch):
+                            graphs[name].replay()
+                        stop.record()
+                        stop.synchronize()
+                        times.append(start.elapsed_time(stop) * 1e3 / batch)
+                    rows.append({"shape": spec, "kernel": name, "phase": phase, "t0": t0, "t1": time.time(),
+                                 "us_per_launch": statistics.median(times[1:] or times)})
+                    print(f"{spec} phase {phase} {name}: {rows[-1]['us_per_launch']:.1f} us", flush=True)
+            del q, k, v, graphs
+            torch.cuda.empty_cache()
+    finally:
+        time.sleep(0.2)
+        smi.terminate()
+        text = smi.communicate(timeout=10)[0]
+    samples = parse_smi(text.splitlines())
+    for r in rows:
+        r.update(summarize(phase_samples(samples, r["t0"], r["t1"], args.settle)))
+    summary = {}
+    for spec in args.shapes:
+        for name in ("fa_ours", "fa4"):
+            mine = [r for r in rows if r["shape"] == spec and r["kernel"] == name and r.get("samples")]
+            if mine:
+                summary[f"{spec}/{name}"] = {key: statistics.median(r[key] for r in mine)
+                                             for key in ("us_per_launch", "sm_mhz", "power_w", "temp_c")}
+    return {"provenance": provenance(" ".join(sys.argv)), "args": vars(args), "summary": summary,
+            "phases": rows, "smi_samples": len(samples)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--shapes", nargs="+", default=["1x49152x12", "1x32768x3", "1x16384x3"],
+                   help="b x S x heads (d = 128)")
+    p.add_argument("--phases", type=int, default=6)
+    p.add_argument("--seconds", type=float, default=1.5)
+    p.add_argument("--settle", type=float, default=0.3)
+    p.add_argument("--sample-ms", type=int, default=20)
+    args = p.parse_args(argv)
+    result = _run(args)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for key, val in result["summary"].items():
+        print(key, {k: round(v, 1) for k, v in val.items()})
+
+
+if __name__ == "__main__":
+    main()
