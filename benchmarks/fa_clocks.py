@@ -137,7 +137,7 @@ def _run(args) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--shapes", nargs="+", default=["1x49152x12", "1x32768x3", "1x16384x3"],
+    p.add_argument("--shapes", nargs="+", default=["1x49152x12", "1x32768x12", "1x32768x3", "1x16384x3"],
                    help="b x S x heads (d = 128)")
     p.add_argument("--phases", type=int, default=6)
     p.add_argument("--seconds", type=float, default=1.5)

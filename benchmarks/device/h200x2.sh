@@ -167,7 +167,7 @@ for stage in $stages; do
     faclocks)
       # SM clock, power and clock-event reasons (nvidia-smi every 20 ms) while our FA-only and FA4 run back to
       # back from CUDA Graphs, alternating, 6 phases of 1.5 s per shape (12 heads/48K, 3 heads/32K and 16K:
-      # unsplit, where FA4 leads by ~2%), one GPU (benchmarks/fa_clocks.py).
+      # unsplit, where FA4 leads by ~2%; 12 heads/32K, split, at parity), one GPU (benchmarks/fa_clocks.py).
       mkdir -p "$OUT/h200x2"
       timeout ${FA_TIMEOUT:-240} python3 benchmarks/fa_clocks.py --out "$OUT/h200x2/fa_clocks.json" 2>&1 \
         | tee "$OUT/faclocks.log" ;;
