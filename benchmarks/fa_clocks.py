@@ -15,6 +15,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
@@ -71,9 +72,11 @@ def _run(args) -> dict:
     probe = subprocess.run(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i", dev],
                            capture_output=True, text=True, check=False)
     fields = SMI_FIELDS if probe.returncode == 0 else SMI_FIELDS_OLD
+    # To a file, not a pipe: a pipe read only at the end fills (64 KiB, ~20 s of samples) and stalls it.
+    log = tempfile.TemporaryFile(mode="w+")
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
                             "-i", dev, f"--loop-ms={args.sample_ms}"],
-                           stdout=subprocess.PIPE, text=True)
+                           stdout=log, text=True)
     rows = []
     try:
         for spec in args.shapes:
@@ -119,17 +122,25 @@ def _run(args) -> dict:
     finally:
         time.sleep(0.2)
         smi.terminate()
-        text = smi.communicate(timeout=10)[0]
+        smi.wait(timeout=10)
+        log.seek(0)
+        text = log.read()
     samples = parse_smi(text.splitlines())
     for r in rows:
         r.update(summarize(phase_samples(samples, r["t0"], r["t1"], args.settle)))
+        if r["samples"]:
+            # Clock-normalized work (cycles per launch at the phase's median SM clock) and board energy per
+            # launch: under the power cap, the kernel with fewer joules per launch gets the higher clock.
+            r["mcycles"] = r["us_per_launch"] * r["sm_mhz"] / 1e6
+            r["mj_per_launch"] = r["us_per_launch"] * r["power_w"] / 1e3
     summary = {}
     for spec in args.shapes:
         for name in ("fa_ours", "fa4"):
             mine = [r for r in rows if r["shape"] == spec and r["kernel"] == name and r.get("samples")]
             if mine:
                 summary[f"{spec}/{name}"] = {key: statistics.median(r[key] for r in mine)
-                                             for key in ("us_per_launch", "sm_mhz", "power_w", "temp_c")}
+                                             for key in ("us_per_launch", "sm_mhz", "power_w", "temp_c", "mcycles",
+                                                         "mj_per_launch")}
     return {"provenance": provenance(" ".join(sys.argv)), "args": vars(args), "summary": summary,
             "phases": rows, "smi_samples": len(samples)}
 
@@ -148,7 +159,7 @@ def main(argv=None) -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     for key, val in result["summary"].items():
-        print(key, {k: round(v, 1) for k, v in val.items()})
+        print(key, {k: round(v, 2) for k, v in val.items()})
 
 
 if __name__ == "__main__":
