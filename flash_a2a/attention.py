@@ -140,7 +140,7 @@ class FlashAttentionA2AForward:
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
-                 tail_split: bool = False, walk: str = "all"):
+                 tail_split: bool = False, walk: str = "all", turn_destinations: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -239,6 +239,11 @@ class FlashAttentionA2AForward:
             raise ValueError("cross_halves=True works with store='st' or 'paced' (the TMA-store epilogues "
                              "write whole 128-row tiles): use one of those")
         self.cross_halves = bool(cross_halves)
+        # turn_destinations: the walk's first stretch turns each CTA's destination rank by one per round
+        # (flash_a2a.mapping.tile_coords), so every CTA takes its share of the remote bursts; False: the
+        # order before 2026-11-30, where at an even grid the same CTAs took every remote tile (a measured
+        # alternative). Either order covers every tile once; the output is the same bit for bit.
+        self.turn_destinations = bool(turn_destinations)
         if mode == "local" and n_dst != 1:
             raise ValueError("the local kernel has one destination (n_dst=1)")
         if n_dst < 1:
@@ -564,10 +569,11 @@ class FlashAttentionA2AForward:
                 t, kv0, kv1, _, _ = unit_work(u, full, k_split, n_kv)
             if const_expr(self.cross_halves):
                 hb0, hb1, h, bb, _, _ = tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid),
-                                                    True)
+                                                    True, self.turn_destinations)
                 load_q = self.q_halves_loader(tma_q, mQ[None, None, h, bb], sQ, hb0, hb1)
             else:
-                m_block, h, bb, _ = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid))
+                m_block, h, bb, _ = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid),
+                                                     self.turn_destinations)
                 if const_expr(self.q_stages > 1):  # a Q buffer per stage: the load names its block and buffer
                     gQ = cute.local_tile(mQ[None, None, h, bb], (TILE_M, d), (None, 0))
                     load_q_staged, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ)
@@ -940,11 +946,12 @@ class FlashAttentionA2AForward:
                 n_this = kv1 - kv0
             if const_expr(self.cross_halves):
                 hb0, hb1, h, bb, dest0, dest1 = tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles,
-                                                            Int32(grid), True)
+                                                            Int32(grid), True, self.turn_destinations)
                 hb = hb0 + wg * (hb1 - hb0)  # this warpgroup's 64-row block and its destination
                 dest = dest0 + wg * (dest1 - dest0)
             else:
-                m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid))
+                m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid),
+                                                     self.turn_destinations)
             softmax = OnlineSoftmax.create(scale_log2, cute.size(layout_utils.reshape_acc_to_mn(acc_o), mode=[0]))
             pipe_q.consumer_wait(q_state)
             tSrQ_t = tSrQ

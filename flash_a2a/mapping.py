@@ -89,17 +89,22 @@ def early_done_arrival(bidx, grid, n_tiles, world, last_epilogue: bool):
     return early, early * (t_last + 1) - 1
 
 
-def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid):
+def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn: bool = True):
     """Tile index t of the fused kernel's walk -> (m_block, local head, batch, destination rank).
 
     A group is one (row block within a rank's slice, head, batch); it has one tile per destination rank.
     Three stretches, branch-free so the same code runs in the kernel and on the host:
     1. groups [0, G - k): destination rank fastest, so concurrently running tiles spread their bursts
        over every link and a wave's remote share is (P-1)/P of it (at P = 2, 2 MiB of a 4 MiB wave: under
-       the H200's Q = 2.4 MiB, so the aligned wave boundary drains without backpressure);
+       the H200's Q = 2.4 MiB, so the aligned wave boundary drains without backpressure). The destination
+       also turns by one rank per round (when the grid is a multiple of P; otherwise t % P already turns
+       per CTA): a remote burst slows the issuing CTA's next Q-loop, and a persistent CTA's delays add up,
+       so each CTA takes its share of the remote tiles rather than the same CTAs taking all of them (at
+       P = 2 and grid 132 the odd CTAs used to: 5 bursts on one CTA at 12 heads/8K, now 3);
     2. groups [G - k, G): their P - 1 remote tiles, destinations rotating from rank + 1;
     3. groups [G - k, G): their local tile, the last round (``local_tail``).
-    Works on Python ints and on DSL Int32."""
+    ``turn=False``: stretch 1 without the turn (the order before 2026-11-30, a measured alternative).
+    Works on Python ints and on DSL Int32 (``turn`` a compile-time bool)."""
     groups = n_tiles // world
     k = local_tail(n_tiles, world, grid)
     end1 = (groups - k) * world
@@ -111,13 +116,16 @@ def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid):
     i2 = cutlass_max(0, cutlass_min(t, end2 - 1) - end1)
     i3 = cutlass_max(0, t - end2)
     group = in1 * (t // world) + in2 * (groups - k + i2 // remote) + in3 * (groups - k + i3)
-    dest = in1 * (t % world) + in2 * ((rank + 1 + i2 % remote) % world) + in3 * rank
+    shift = 0
+    if turn:
+        shift = (1 - cutlass_min(1, grid % world)) * (t // grid)  # a group's P tiles share a round then
+    dest = in1 * ((t % world + shift) % world) + in2 * ((rank + 1 + i2 % remote) % world) + in3 * rank
     mb_in_rank = group % n_mb_per_rank
     rest = group // n_mb_per_rank
     return dest * n_mb_per_rank + mb_in_rank, rest % h_loc, rest // h_loc, dest
 
 
-def tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross: bool = False):
+def tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross: bool = False, turn: bool = True):
     """Tile index t -> (hb0, hb1, local head, batch, dest0, dest1): the 64-row blocks (of the S rows) that the
     two MMA warpgroups compute, and their destination ranks. ``cross=False``: the halves of ``tile_coords``'s
     128-row block. ``cross=True`` (the "crossed" walk):
@@ -129,9 +137,9 @@ def tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross: bool
       d = 128) to a peer: at P = 2 every SM issues 16 KiB per round boundary, under the ~20 KiB per SM the
       H200 holds outstanding without backpressure (calibration knee), instead of half the SMs 32 KiB;
     - the local tail is tile_coords's. The first warpgroup's half is tile_coords's in both walks.
-    Works on Python ints and DSL Int32 (``cross`` is a compile-time bool)."""
+    ``turn``: tile_coords's. Works on Python ints and DSL Int32 (``cross``, ``turn`` compile-time bools)."""
     if not cross:
-        m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid)
+        m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn)
         return 2 * m_block, 2 * m_block + 1, h, bb, dest, dest
     groups = n_tiles // world
     k = local_tail(n_tiles, world, grid)
@@ -147,7 +155,7 @@ def tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross: bool
     before = cutlass_min(p, span) // cutlass_max(m, 1)  # remote-stretch tiles before position p
     in_tail = cutlass_min(1, cutlass_max(0, t - n1 + 1))
     orig = in_tail * t + (1 - in_tail) * (is_rr * (end1 + before) + (1 - is_rr) * (p - before))
-    m_block, h, bb, dest = tile_coords(orig, world, n_mb_per_rank, h_loc, rank, n_tiles, grid)
+    m_block, h, bb, dest = tile_coords(orig, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn)
     crossed = (1 - in_tail) * (1 - is_rr)
     dest1 = (dest + crossed) % world
     hb1 = 2 * (dest1 * n_mb_per_rank + (m_block - dest * n_mb_per_rank)) + 1

@@ -47,8 +47,9 @@ def test_bad_shapes_name_the_fix(s, h, p, tile, match):
         check_ulysses_shapes(s, h, p, tile)
 
 
+@pytest.mark.parametrize("turn", [True, False])
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
-def test_fused_kernel_tile_walk_covers_every_tile_and_lands_like_the_reference(world):
+def test_fused_kernel_tile_walk_covers_every_tile_and_lands_like_the_reference(world, turn):
     """The fused kernel's tile order (flash_a2a.mapping.tile_coords) and its epilogue index math, run on
     CPU tensors: every (m_block, head, batch) tile is visited once and lands where the A2A puts it."""
     pytest.importorskip("cutlass")
@@ -62,11 +63,11 @@ def test_fused_kernel_tile_walk_covers_every_tile_and_lands_like_the_reference(w
     outs = [torch.randn(b, s, h_loc, d) for _ in range(world)]
     got = [torch.full((b, rows_per_rank, h_loc * world, d), float("nan")) for _ in range(world)]
     n_tiles = n_mb_per_rank * world * h_loc * b
-    grid = rng.randint(1, n_tiles + 2)
+    grid = rng.choice([rng.randint(1, n_tiles + 2), world * rng.randint(1, n_tiles // world + 1)])
     for rank in range(world):
         seen = set()
         for t in range(n_tiles):
-            m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid)
+            m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn)
             seen.add((m_block, h, bb))
             row0 = m_block * TILE_M
             assert dest == destination(row0, h, rank, s, h_loc * world, world)[0]
@@ -166,9 +167,10 @@ def test_reference_pre_and_post_all_to_alls_are_inverse():
     assert all(torch.equal(x, y) for x, y in zip(back, ins))
 
 
+@pytest.mark.parametrize("turn", [True, False])
 @pytest.mark.parametrize("cross", [False, True])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_half_walk_covers_every_half_and_lands_like_the_reference(world, cross):
+def test_half_walk_covers_every_half_and_lands_like_the_reference(world, cross, turn):
     """tile_halves (both walks), run on CPU tensors with random shapes and grids: every 64-row block of every
     (head, batch) is computed once, by the warpgroup tile_halves names, and lands where the A2A puts it."""
     rng = random.Random()
@@ -178,15 +180,18 @@ def test_half_walk_covers_every_half_and_lands_like_the_reference(world, cross):
         s = world * n_mb * 128
         rows = s // world
         n_tiles = n_mb * world * h_loc * b
-        grid = rng.randint(1, n_tiles + 2)
+        # half the grids a multiple of P, where the first stretch turns its destinations (turn=True)
+        grid = rng.choice([rng.randint(1, n_tiles + 2), world * rng.randint(1, n_tiles // world + 1)])
         outs = [torch.randn(b, s, h_loc, d) for _ in range(world)]
         got = [torch.full((b, rows, h_loc * world, d), float("nan")) for _ in range(world)]
         for rank in range(world):
             seen = set()
             for t in range(n_tiles):
-                hb0, hb1, h, bb, dest0, dest1 = tile_halves(t, world, n_mb, h_loc, rank, n_tiles, grid, cross)
+                hb0, hb1, h, bb, dest0, dest1 = tile_halves(t, world, n_mb, h_loc, rank, n_tiles, grid, cross,
+                                                            turn)
                 if not cross:
-                    assert (hb0 // 2, h, bb, dest0) == tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid)
+                    assert (hb0 // 2, h, bb, dest0) == tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid,
+                                                                   turn)
                 for hb, dest in ((hb0, dest0), (hb1, dest1)):
                     seen.add((hb, h, bb))
                     row0 = hb * 64
@@ -315,3 +320,35 @@ def test_split_plan_falls_back_or_refuses_where_the_split_kernel_does_not_go():
         assert _split_plan({}, {**base, **knobs}, 192, 132, 64, 1, persistent) == (False, {})
         with pytest.raises(ValueError, match="tail_split"):
             _split_plan({"tail_split": "launch"}, {**base, **knobs}, 192, 132, 64, 1, persistent)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_remote_tiles_turn_over_the_ctas(world):
+    """tile_coords's first stretch turns the destination by one rank per round when the grid is a multiple
+    of P (a persistent CTA's remote bursts then alternate with local tiles), so no CTA issues more remote
+    bursts ahead of another tile than it must. At the H200's shapes (grid 132, P = 2) the worst CTA issues
+    about half its rounds' worth: 3 at 12 heads/8K and 3 heads/32K (5 before), 6 at 12 heads/16K (11)."""
+    rng = random.Random()
+    for _ in range(100):
+        n_mb, h_loc, b = rng.randint(1, 8), rng.randint(1, 4), rng.randint(1, 2)
+        n_tiles = n_mb * world * h_loc * b
+        grid, rank = world * rng.randint(1, n_tiles), rng.randrange(world)
+        end1 = (n_tiles // world - local_tail(n_tiles, world, grid)) * world
+        for bidx in range(min(grid, end1)):
+            dests = [tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid)[3] for t in range(bidx, end1, grid)]
+            assert all((b_ - a_) % world == 1 for a_, b_ in zip(dests, dests[1:])), (grid, n_tiles, dests)
+
+    def worst_cta(n_mb, h_loc, turn, grid=132):
+        n_tiles = n_mb * 2 * h_loc
+        worst = 0
+        for rank in (0, 1):
+            for bidx in range(grid):
+                mine = list(range(bidx, n_tiles, grid))[:-1]  # bursts with a Q-loop of the same CTA after them
+                worst = max(worst, sum(tile_coords(t, 2, n_mb, h_loc, rank, n_tiles, grid, turn)[3] != rank
+                                       for t in mine))
+        return worst
+
+    if world == 2:  # M = 8K/16K/32K (n_mb = M / 256) at 3 and 12 heads/rank; turn=False: the old order
+        shapes = ((32, 3), (64, 3), (128, 3), (32, 12), (64, 12))
+        assert [worst_cta(n_mb, h, True) for n_mb, h in shapes] == [1, 2, 3, 3, 6]
+        assert [worst_cta(n_mb, h, False) for n_mb, h in shapes] == [1, 2, 5, 5, 11]

@@ -194,8 +194,8 @@ def test_fused_mainloop_schedules_like_local(tmp_path):
 
 
 def test_crossed_walk_and_ready_wait_keep_the_schedules(tmp_path):
-    """The crossed tile walk (two 64-row Q loads, per-warpgroup destinations) and both early_done placements
-    keep the mainloop's schedule, and the fused kernel's ready wait leaves the TMA producer's KV loop as the
+    """The crossed tile walk (two 64-row Q loads, per-warpgroup destinations), both early_done placements and
+    the walk without the destination turn (``turn_destinations=False``) keep the mainloop's schedule, and the fused kernel's ready wait leaves the TMA producer's KV loop as the
     local kernel's: no R2UR in it.
     (A run-time loop over the ranks in the ready wait once put a 64-bit operand of the producer's TMA loads
     in vector registers, 8 R2UR per KV block, and cost ~0.65% of the kernel's time on H200; a 64-bit
@@ -207,7 +207,8 @@ def test_crossed_walk_and_ready_wait_keep_the_schedules(tmp_path):
         ("fused", {"mode": "piggyback", "n_dst": 2}),
         ("fused_early", {"mode": "piggyback", "n_dst": 2, "early_done": True}),
         ("fused_last_epilogue", {"mode": "piggyback", "n_dst": 2, "early_done": "last_epilogue"}),
-        ("fused_cross", {"mode": "piggyback", "n_dst": 2, "cross_halves": True}))}
+        ("fused_cross", {"mode": "piggyback", "n_dst": 2, "cross_halves": True}),
+        ("fused_unturned", {"mode": "piggyback", "n_dst": 2, "turn_destinations": False}))}
     windows = {name: softmax_overlap(t) for name, t in texts.items()}
     assert len(set(map(tuple, windows.values()))) == 1, windows
     for name, text in texts.items():
@@ -297,7 +298,8 @@ def test_tile_order_and_mainloop_variants_agree():
     big = [torch.randn(2, 4096, 9, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]
     for qkv in ((q, k, v), big):
         ref = flash_attention(*qkv, tail_split=False)  # q_stages=2 runs unsplit ("auto" splits 576 tiles)
-        for variant in ({"q_stages": 2}, {"q_stages": 2, "tile_order_world": 2, "tile_order_rank": 1}):
+        for variant in ({"q_stages": 2}, {"q_stages": 2, "tile_order_world": 2, "tile_order_rank": 1},
+                        {"tile_order_world": 2, "turn_destinations": False, "tail_split": False}):  # unturned
             out = torch.full_like(ref, float("nan"))
             assert torch.equal(flash_attention(*qkv, out=out, **variant), ref), variant
 
@@ -376,8 +378,11 @@ def _worker(rank, world, init_file, path):
                        ("completion_coupled", {"early_done": True}), ("piggyback", {"early_done": "last_epilogue"}),
                        ("piggyback", {"store": "paced"}), ("piggyback", {"store": "paced", "peel_drip": True}),
                        ("piggyback", {"q_stages": 2}), ("completion_coupled", {"q_stages": 2}))
+        # (2, 8192, 3, 128): 384 tiles, the first stretch reaches a second round, where its destinations turn
+        turned = (("piggyback", {}), ("piggyback", {"turn_destinations": False}), ("completion_coupled", {}),
+                  ("piggyback", {"cross_halves": True}))
         for shape, variants in [((1, 1024, 2, 128), every), ((2, 2048, 3, 128), every), ((1, 512, 1, 64), every),
-                                ((2, 4096, 3, 128), multi_round)]:
+                                ((2, 4096, 3, 128), multi_round), ((2, 8192, 3, 128), turned)]:
             for mode, knobs in variants:
                 for _ in range(2):
                     q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
@@ -434,7 +439,7 @@ def _worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_matches_local_plus_reference_a2a(tmp_path):
     for res in run_ranks(_worker, tmp_path):
-        assert res["checked"] == 2 * (3 * 18 + 8) + 3  # two draws per (shape, variant), three graph replays
+        assert res["checked"] == 2 * (3 * 18 + 8 + 4) + 3  # two draws per (shape, variant), three graph replays
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"
