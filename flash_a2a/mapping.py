@@ -89,21 +89,22 @@ def early_done_arrival(bidx, grid, n_tiles, world, last_epilogue: bool):
     return early, early * (t_last + 1) - 1
 
 
-def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn: bool = True):
+def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn: bool = False):
     """Tile index t of the fused kernel's walk -> (m_block, local head, batch, destination rank).
 
     A group is one (row block within a rank's slice, head, batch); it has one tile per destination rank.
     Three stretches, branch-free so the same code runs in the kernel and on the host:
     1. groups [0, G - k): destination rank fastest, so concurrently running tiles spread their bursts
        over every link and a wave's remote share is (P-1)/P of it (at P = 2, 2 MiB of a 4 MiB wave: under
-       the H200's Q = 2.4 MiB, so the aligned wave boundary drains without backpressure). The destination
-       also turns by one rank per round (when the grid is a multiple of P; otherwise t % P already turns
-       per CTA): a remote burst slows the issuing CTA's next Q-loop, and a persistent CTA's delays add up,
-       so each CTA takes its share of the remote tiles rather than the same CTAs taking all of them (at
-       P = 2 and grid 132 the odd CTAs used to: 5 bursts on one CTA at 12 heads/8K, now 3);
+       the H200's Q = 2.4 MiB, so the aligned wave boundary drains without backpressure). With ``turn``
+       the destination also turns by one rank per round (when the grid is a multiple of P; otherwise t % P
+       already turns per CTA), so each CTA takes its share of the remote tiles; without it, at P = 2 and an
+       even grid the odd CTAs take all of them (5 bursts on one CTA at 12 heads/8K, 3 with the turn). The
+       turn was meant for a remote burst slowing its issuer's next Q-loop, whose delays would add up on a
+       persistent CTA; measured on H200 it changes nothing (``fa_turn_c0c3b00.json``), so it is off;
     2. groups [G - k, G): their P - 1 remote tiles, destinations rotating from rank + 1;
     3. groups [G - k, G): their local tile, the last round (``local_tail``).
-    ``turn=False``: stretch 1 without the turn (the order before 2026-11-30, a measured alternative).
+    ``turn=True``: stretch 1 with the turn (a measured alternative; False, the default, is the walk as it was).
     Works on Python ints and on DSL Int32 (``turn`` a compile-time bool)."""
     groups = n_tiles // world
     k = local_tail(n_tiles, world, grid)
@@ -116,16 +117,16 @@ def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn: bool 
     i2 = cutlass_max(0, cutlass_min(t, end2 - 1) - end1)
     i3 = cutlass_max(0, t - end2)
     group = in1 * (t // world) + in2 * (groups - k + i2 // remote) + in3 * (groups - k + i3)
-    shift = 0
+    dest1 = t % world
     if turn:
-        shift = (1 - cutlass_min(1, grid % world)) * (t // grid)  # a group's P tiles share a round then
-    dest = in1 * ((t % world + shift) % world) + in2 * ((rank + 1 + i2 % remote) % world) + in3 * rank
+        dest1 = (dest1 + (1 - cutlass_min(1, grid % world)) * (t // grid)) % world  # a group shares a round
+    dest = in1 * dest1 + in2 * ((rank + 1 + i2 % remote) % world) + in3 * rank
     mb_in_rank = group % n_mb_per_rank
     rest = group // n_mb_per_rank
     return dest * n_mb_per_rank + mb_in_rank, rest % h_loc, rest // h_loc, dest
 
 
-def tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross: bool = False, turn: bool = True):
+def tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross: bool = False, turn: bool = False):
     """Tile index t -> (hb0, hb1, local head, batch, dest0, dest1): the 64-row blocks (of the S rows) that the
     two MMA warpgroups compute, and their destination ranks. ``cross=False``: the halves of ``tile_coords``'s
     128-row block. ``cross=True`` (the "crossed" walk):

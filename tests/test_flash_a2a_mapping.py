@@ -324,9 +324,9 @@ def test_split_plan_falls_back_or_refuses_where_the_split_kernel_does_not_go():
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_remote_tiles_turn_over_the_ctas(world):
-    """tile_coords's first stretch turns the destination by one rank per round when the grid is a multiple
-    of P (a persistent CTA's remote bursts then alternate with local tiles), so no CTA issues more remote
-    bursts ahead of another tile than it must. At the H200's shapes (grid 132, P = 2) the worst CTA issues
+    """With ``turn`` (a measured alternative) tile_coords's first stretch turns the destination by one rank
+    per round when the grid is a multiple of P (a persistent CTA's remote bursts then alternate with local
+    tiles), so no CTA issues more remote bursts ahead of another tile than it must. At the H200's shapes (grid 132, P = 2) the worst CTA issues
     about half its rounds' worth: 3 at 12 heads/8K and 3 heads/32K (5 before), 6 at 12 heads/16K (11)."""
     rng = random.Random()
     for _ in range(100):
@@ -335,7 +335,8 @@ def test_remote_tiles_turn_over_the_ctas(world):
         grid, rank = world * rng.randint(1, n_tiles), rng.randrange(world)
         end1 = (n_tiles // world - local_tail(n_tiles, world, grid)) * world
         for bidx in range(min(grid, end1)):
-            dests = [tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid)[3] for t in range(bidx, end1, grid)]
+            dests = [tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid, True)[3]
+                     for t in range(bidx, end1, grid)]
             assert all((b_ - a_) % world == 1 for a_, b_ in zip(dests, dests[1:])), (grid, n_tiles, dests)
 
     def worst_cta(n_mb, h_loc, turn, grid=132):
@@ -348,7 +349,7 @@ def test_remote_tiles_turn_over_the_ctas(world):
                                        for t in mine))
         return worst
 
-    if world == 2:  # M = 8K/16K/32K (n_mb = M / 256) at 3 and 12 heads/rank; turn=False: the old order
+    if world == 2:  # M = 8K/16K/32K (n_mb = M / 256) at 3 and 12 heads/rank; turn=False: the default walk
         shapes = ((32, 3), (64, 3), (128, 3), (32, 12), (64, 12))
         assert [worst_cta(n_mb, h, True) for n_mb, h in shapes] == [1, 2, 3, 3, 6]
         assert [worst_cta(n_mb, h, False) for n_mb, h in shapes] == [1, 2, 5, 5, 11]

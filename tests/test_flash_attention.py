@@ -195,7 +195,7 @@ def test_fused_mainloop_schedules_like_local(tmp_path):
 
 def test_crossed_walk_and_ready_wait_keep_the_schedules(tmp_path):
     """The crossed tile walk (two 64-row Q loads, per-warpgroup destinations), both early_done placements and
-    the walk without the destination turn (``turn_destinations=False``) keep the mainloop's schedule, and the fused kernel's ready wait leaves the TMA producer's KV loop as the
+    the walk with the destination turn (``turn_destinations=True``) keep the mainloop's schedule, and the fused kernel's ready wait leaves the TMA producer's KV loop as the
     local kernel's: no R2UR in it.
     (A run-time loop over the ranks in the ready wait once put a 64-bit operand of the producer's TMA loads
     in vector registers, 8 R2UR per KV block, and cost ~0.65% of the kernel's time on H200; a 64-bit
@@ -208,7 +208,7 @@ def test_crossed_walk_and_ready_wait_keep_the_schedules(tmp_path):
         ("fused_early", {"mode": "piggyback", "n_dst": 2, "early_done": True}),
         ("fused_last_epilogue", {"mode": "piggyback", "n_dst": 2, "early_done": "last_epilogue"}),
         ("fused_cross", {"mode": "piggyback", "n_dst": 2, "cross_halves": True}),
-        ("fused_unturned", {"mode": "piggyback", "n_dst": 2, "turn_destinations": False}))}
+        ("fused_turned", {"mode": "piggyback", "n_dst": 2, "turn_destinations": True}))}
     windows = {name: softmax_overlap(t) for name, t in texts.items()}
     assert len(set(map(tuple, windows.values()))) == 1, windows
     for name, text in texts.items():
@@ -299,7 +299,7 @@ def test_tile_order_and_mainloop_variants_agree():
     for qkv in ((q, k, v), big):
         ref = flash_attention(*qkv, tail_split=False)  # q_stages=2 runs unsplit ("auto" splits 576 tiles)
         for variant in ({"q_stages": 2}, {"q_stages": 2, "tile_order_world": 2, "tile_order_rank": 1},
-                        {"tile_order_world": 2, "turn_destinations": False, "tail_split": False}):  # unturned
+                        {"tile_order_world": 2, "turn_destinations": True, "tail_split": False}):  # turned
             out = torch.full_like(ref, float("nan"))
             assert torch.equal(flash_attention(*qkv, out=out, **variant), ref), variant
 
@@ -378,8 +378,8 @@ def _worker(rank, world, init_file, path):
                        ("completion_coupled", {"early_done": True}), ("piggyback", {"early_done": "last_epilogue"}),
                        ("piggyback", {"store": "paced"}), ("piggyback", {"store": "paced", "peel_drip": True}),
                        ("piggyback", {"q_stages": 2}), ("completion_coupled", {"q_stages": 2}))
-        # (2, 8192, 3, 128): 384 tiles, the first stretch reaches a second round, where its destinations turn
-        turned = (("piggyback", {}), ("piggyback", {"turn_destinations": False}), ("completion_coupled", {}),
+        # (2, 8192, 3, 128): 384 tiles, the first stretch reaches a second round, where turn_destinations turns
+        turned = (("piggyback", {}), ("piggyback", {"turn_destinations": True}), ("completion_coupled", {}),
                   ("piggyback", {"cross_halves": True}))
         for shape, variants in [((1, 1024, 2, 128), every), ((2, 2048, 3, 128), every), ((1, 512, 1, 64), every),
                                 ((2, 4096, 3, 128), multi_round), ((2, 8192, 3, 128), turned)]:

@@ -152,10 +152,11 @@ for stage in $stages; do
       # 8K/32K), 8 rounds, 32 adjacent pairs per column.
       pair_diag fa_split fasplit "8192 32768" '{"nosplit":{"tail_split":false},"kernel":{"tail_split":true},"fnosplit":{"mode":"piggyback","tail_split":false}}' ;;
     faturn)
-      # The walk's destination turn (2026-11-30 default: each CTA's destination rank turns by one per round in
-      # the first stretch, so every CTA takes its share of the remote bursts) against the walk without it,
+      # The walk's destination turn (turn_destinations=True: each CTA's destination rank turns by one per round
+      # in the first stretch, so every CTA takes its share of the remote bursts) against the default walk,
       # fused and FA-only, at M = $FADIAG_SEQ (default 8K/32K), 8 rounds, 32 adjacent pairs per column; no FA4.
-      pair_diag fa_turn faturn "8192 32768" '{"noturn":{"turn_destinations":false},"fnoturn":{"mode":"piggyback","turn_destinations":false}}' fa4 serial_fa4_nccl ;;
+      # (fa_turn_c0c3b00 ran it with the turn as the default and the walk without it as the variants.)
+      pair_diag fa_turn faturn "8192 32768" '{"turn":{"turn_destinations":true},"fturn":{"mode":"piggyback","turn_destinations":true}}' fa4 serial_fa4_nccl ;;
     fapeel)
       # store="paced" with the vector-carrying KV blocks peeled into a loop of their own (peel_drip), so the
       # plain overlapped loop holds no store, beside the predicated paced loop and the default burst, with the
