@@ -20,7 +20,7 @@ import torch.distributed as dist
 from cute_kernels.runtime import TORCH_TO_CUTLASS, check_error_word
 from flash_a2a.a2a import SymmetricOutput
 from flash_a2a.attention import MODES, PARTIAL_FLOATS, TILE_M, TILE_N, FlashAttentionA2AForward
-from flash_a2a.mapping import check_ulysses_shapes, choose_tail_split, resolve_tail_split
+from flash_a2a.mapping import check_ulysses_shapes, choose_tail_split, cluster_walk_pairs, resolve_tail_split
 
 _KERNELS: dict = {}
 DEFAULT_TIMEOUT_NS = 2_000_000_000
@@ -150,12 +150,14 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     grid = _grid(n_tiles, q.device, persistent)
     knobs = {"head_dim": d, "mode": "local", "overlap": overlap, "instrument": spans is not None, **variant}
     plan, variant = _split_plan(variant, knobs, n_tiles, grid, s // TILE_N, 1, persistent)
+    _check_cluster(variant, plan, n_tiles, grid, tile_order_world, tile_order_rank, s // tile_order_world // TILE_M,
+                   h)
     args = (q, k, v, out)
     rest = (dm.i64, dm.i64, dm.i64, dm.i32, dm.i32, spans if spans is not None else dm.spans, (out,),
             _scale(softmax_scale, d), tile_order_rank, tile_order_world, grid, DEFAULT_TIMEOUT_NS)
     if plan == "launch":  # the whole rounds, then the last round's chunks (programmatic dependent launch)
         _kernel(q.dtype, d, "local", False, overlap, walk="rounds", **variant)(*args, dm.i64, *rest)
-        _kernel(q.dtype, d, "local", False, overlap, walk="tail", tail_split=True, **variant)(
+        _kernel(q.dtype, d, "local", False, overlap, walk="tail", tail_split=True, **_unclustered(variant))(
             *args, _tail_split_args(q.device, n_tiles, grid, s // TILE_N), *rest)
         return out
     out_ptrs = dm.i64
@@ -177,13 +179,36 @@ def _split_plan(variant: dict, knobs: dict, n_tiles: int, grid: int, n_kv: int, 
     plan = resolve_tail_split(option, n_tiles, grid, n_kv, world)
     if not plan:
         return False, rest
-    why = "persistent=False" if not persistent else _split_refusal(tuple(sorted(knobs.items())))
+    # cluster_kv applies to the rounds kernel of a "launch" split only (_check_cluster), not to the split kernel
+    why = "persistent=False" if not persistent else _split_refusal(tuple(sorted(_unclustered(knobs).items())))
     if why is not None:
         if option == "auto":
             return False, rest
         raise ValueError(f"tail_split={option!r} splits the persistent walk's last round, which these options "
                          f"exclude ({why}): drop them or pass tail_split=False")
     return plan, rest
+
+
+def _unclustered(knobs: dict) -> dict:
+    """The knobs without ``cluster_kv``: the split tail's launch runs unclustered (its CTAs' chunks differ)."""
+    return {k: v for k, v in knobs.items() if k != "cluster_kv"}
+
+
+def _check_cluster(variant: dict, plan, n_tiles: int, grid: int, world: int, rank: int, n_mb_per_rank: int,
+                   h_loc: int) -> None:
+    """ValueError unless the walk of a ``cluster_kv=2`` launch pairs its CTAs (mapping.cluster_walk_pairs):
+    the kernel, or with the "launch" split its whole rounds, every step two tiles of one head."""
+    if variant.get("cluster_kv", 1) == 1:
+        return
+    if plan == "kernel":
+        raise ValueError("cluster_kv=2 pairs whole tiles; the in-kernel split (tail_split=True/'kernel') does "
+                         "not: use tail_split='launch' (or 'auto', False) or cluster_kv=1")
+    n_walk = n_tiles // grid * grid if plan == "launch" else n_tiles
+    if not cluster_walk_pairs(n_walk, grid, world, n_mb_per_rank, h_loc, rank, n_tiles,
+                              bool(variant.get("turn_destinations", False))):
+        raise ValueError(f"cluster_kv=2 needs an even grid and a walk whose CTA pairs take tiles of one head "
+                         f"at every step ({n_tiles} tiles over {grid} CTAs, {n_mb_per_rank} row blocks per rank "
+                         f"do not): use an even number of {TILE_M}-row blocks per head and rank, or cluster_kv=1")
 
 
 _REFUSALS: dict = {}
@@ -273,6 +298,7 @@ class FusedAttentionA2A:
         plan, variant = _split_plan(variant, knobs, n_tiles, grid, s // TILE_N, self.world)
         if plan and n_tiles < grid:  # one round: every CTA's first tile carries the ready gate; nothing split
             plan = False
+        _check_cluster(variant, plan, n_tiles, grid, self.world, self.rank, s // self.world // TILE_M, h_loc)
         dsts = (st.out,) * self.world if self_store else st.peer_outs  # tensor maps of store="tma"
         rest = (st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors, spans if spans is not None else dm.spans,
                 dsts, _scale(softmax_scale, d), self.rank, self.world, grid, self.timeout_ns)
@@ -292,7 +318,7 @@ class FusedAttentionA2A:
             _kernel(q.dtype, d, mode, False, n_dst=self.world, walk="rounds", **walk)(
                 q, k, v, q, out_ptrs, *rest)
             _kernel(q.dtype, d, mode, False, n_dst=self.world, walk="tail", tail_split=True,
-                    **{**walk, "signal": tail_signal})(q, k, v, q, split_ptrs, *rest)
+                    **{**_unclustered(walk), "signal": tail_signal})(q, k, v, q, split_ptrs, *rest)
         else:
             if plan == "kernel":
                 walk, out_ptrs = {**walk, "tail_split": True}, split_ptrs

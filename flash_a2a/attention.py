@@ -140,7 +140,8 @@ class FlashAttentionA2AForward:
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
-                 tail_split: bool = False, walk: str = "all", turn_destinations: bool = False):
+                 tail_split: bool = False, walk: str = "all", turn_destinations: bool = False,
+                 cluster_kv: int = 1):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -244,6 +245,18 @@ class FlashAttentionA2AForward:
         # bursts instead of, at an even grid, the same CTAs taking all of them. It did not change the fused
         # residual on H200 (fa_turn_c0c3b00.json). Either walk covers every tile once, the same bits.
         self.turn_destinations = bool(turn_destinations)
+        # cluster_kv: CTAs per cluster sharing each K/V block (FA3's cluster for d >= 128 non-causal; FA4's SM90
+        # port has none). At 2 each CTA of a pair loads half of every K and V block and the TMA engine multicasts
+        # it into both CTAs' shared memory, so L2 serves each block once per pair: half the L2->SM traffic of
+        # the KV loop. The pair runs in lockstep (a stage is refilled once both CTAs released it), so the walk
+        # must give CTAs 2c and 2c+1 tiles of one (head, batch) at every step and the same count
+        # (mapping.cluster_walk_pairs; the host checks it); the grid is even.
+        if cluster_kv not in (1, 2):
+            raise ValueError(f"cluster_kv must be 1 or 2, got {cluster_kv!r}")
+        if cluster_kv > 1 and (tail_split or cross_halves or walk == "tail" or not overlap):
+            raise ValueError("cluster_kv=2 pairs whole tiles of one head: use it with the overlapped mainloop and "
+                             "no tail_split/cross_halves (the split tail launch runs unclustered)")
+        self.cluster_kv = cluster_kv
         if mode == "local" and n_dst != 1:
             raise ValueError("the local kernel has one destination (n_dst=1)")
         if n_dst < 1:
@@ -401,10 +414,11 @@ class FlashAttentionA2AForward:
                 load_op, mQt, sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (64, d)), (64, d))
         else:
             tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_one, (TILE_M, d))
-        tma_k, gK_tma = cpasync.make_tiled_tma_atom(load_op, mKt, cute.select(sK_layout, mode=[0, 1]),
-                                                    (TILE_N, d), 1)
-        tma_v, gV_tma = cpasync.make_tiled_tma_atom(load_op, mVt, cute.select(sV_layout, mode=[0, 1]),
-                                                    (TILE_N, d), 1)
+        kv_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_kv > 1) else load_op
+        tma_k, gK_tma = cpasync.make_tiled_tma_atom(kv_op, mKt, cute.select(sK_layout, mode=[0, 1]),
+                                                    (TILE_N, d), self.cluster_kv)
+        tma_v, gV_tma = cpasync.make_tiled_tma_atom(kv_op, mVt, cute.select(sV_layout, mode=[0, 1]),
+                                                    (TILE_N, d), self.cluster_kv)
         tma_os, gO_tmas = None, None
         if const_expr(self.store == "tma"):
             sO_half = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (64, d))
@@ -439,7 +453,7 @@ class FlashAttentionA2AForward:
                     tma_os, gO_tmas, tma_q, tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk,
                     tiled_mma_pv, tx_q, tx_kv, scale_log2, rank, world, timeout_ns, Storage).launch(
             grid=(grid, 1, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1,
-            use_pdl=self.walk == "tail")
+            use_pdl=self.walk == "tail", **({"cluster": [self.cluster_kv, 1, 1]} if self.cluster_kv > 1 else {}))
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -470,13 +484,20 @@ class FlashAttentionA2AForward:
         pipe_q = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages,
                                                   producer_group=one_thread, consumer_group=mma_warps,
                                                   tx_count=tx_q, defer_sync=True)
+        # cluster_kv: a K/V stage is refilled (into both CTAs) once every MMA warp of the pair released it: lane c
+        # of each warp arrives on CTA c's empty barrier
+        kv_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4 * self.cluster_kv)
+        kv_cluster = cute.make_layout((1, self.cluster_kv, 1, 1)) if const_expr(self.cluster_kv > 1) else None
         pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_k.data_ptr(),
                                                   num_stages=self.num_stages, producer_group=one_thread,
-                                                  consumer_group=mma_warps, tx_count=tx_kv, defer_sync=True)
+                                                  consumer_group=kv_warps, tx_count=tx_kv,
+                                                  cta_layout_vmnk=kv_cluster, defer_sync=True)
         pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_v.data_ptr(),
                                                   num_stages=self.num_stages, producer_group=one_thread,
-                                                  consumer_group=mma_warps, tx_count=tx_kv, defer_sync=True)
-        pipeline.pipeline_init_arrive(is_relaxed=True)
+                                                  consumer_group=kv_warps, tx_count=tx_kv,
+                                                  cta_layout_vmnk=kv_cluster, defer_sync=True)
+        cluster_mn = cute.make_layout((self.cluster_kv, 1)) if const_expr(self.cluster_kv > 1) else None
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -484,7 +505,7 @@ class FlashAttentionA2AForward:
             sO = storage.sO.get_tensor(sO_layout)
         else:
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        pipeline.pipeline_init_wait()
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
 
         seq = Int32(cute.size(mQ, mode=[0]))
         h_loc = Int32(cute.size(mQ, mode=[2]))
@@ -586,8 +607,15 @@ class FlashAttentionA2AForward:
                                                               single_stage=True)
             gK = cute.local_tile(mK[None, None, h, bb], (TILE_N, d), (None, 0))
             gV = cute.local_tile(mV[None, None, h, bb], (TILE_N, d), (None, 0))
-            load_k, _, _ = copy_utils.tma_get_copy_fn(tma_k, 0, cute.make_layout(1), gK, sK)
-            load_v, _, _ = copy_utils.tma_get_copy_fn(tma_v, 0, cute.make_layout(1), gV, sV)
+            if const_expr(self.cluster_kv > 1):  # this CTA's share of each block, multicast to the pair
+                pair_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+                mask = cutlass.Int16((1 << self.cluster_kv) - 1)
+                pair = cute.make_layout(self.cluster_kv)
+                load_k, _, _ = copy_utils.tma_get_copy_fn(tma_k, pair_rank, pair, gK, sK, mcast_mask=mask)
+                load_v, _, _ = copy_utils.tma_get_copy_fn(tma_v, pair_rank, pair, gV, sV, mcast_mask=mask)
+            else:
+                load_k, _, _ = copy_utils.tma_get_copy_fn(tma_k, 0, cute.make_layout(1), gK, sK)
+                load_v, _, _ = copy_utils.tma_get_copy_fn(tma_v, 0, cute.make_layout(1), gV, sV)
             if const_expr(self.lag_v):
                 # The overlapped consumer reads K[n] before V[n-1]: load in that order (K[n+1] ahead of V[n]),
                 # so a K load never queues behind a V slot that is still being read.
@@ -624,6 +652,8 @@ class FlashAttentionA2AForward:
                         pipe_v.producer_acquire(kv_state)
                         load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                         kv_state.advance()
+        if const_expr(self.cluster_kv > 1):  # the peer's last releases land on this CTA's K barriers too
+            pipe_k.producer_tail(kv_state.clone())
         pipe_v.producer_tail(kv_state)
 
     def q_halves_loader(self, tma_q, mQ_hb, sQ, hb0, hb1):

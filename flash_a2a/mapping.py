@@ -7,6 +7,8 @@ tile has exactly one destination rank.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:  # the DSL's min/max take Python ints and DSL integers alike
@@ -124,6 +126,23 @@ def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn: bool 
     mb_in_rank = group % n_mb_per_rank
     rest = group // n_mb_per_rank
     return dest * n_mb_per_rank + mb_in_rank, rest % h_loc, rest // h_loc, dest
+
+
+@functools.lru_cache(maxsize=256)
+def cluster_walk_pairs(n_walk: int, grid: int, world: int, n_mb_per_rank: int, h_loc: int, rank: int,
+                       n_tiles: int, turn: bool = False) -> bool:
+    """Whether CTAs 2c and 2c+1 of a persistent walk over tiles [0, n_walk) of ``tile_coords`` (CTA c takes
+    t = c, c + grid, ...) can share every K/V block (the kernel's ``cluster_kv=2``): the grid is even, so at
+    each step the pair takes tiles 2p and 2p+1, which must have one (head, batch), and n_walk is even, so both
+    take the same number of tiles (the pair runs its KV loop in lockstep)."""
+    if grid % 2 or n_walk % 2:
+        return False
+    for t in range(0, n_walk, 2):
+        a = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn)
+        b = tile_coords(t + 1, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn)
+        if a[1:3] != b[1:3]:
+            return False
+    return True
 
 
 def tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross: bool = False, turn: bool = False):

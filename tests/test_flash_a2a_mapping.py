@@ -353,3 +353,30 @@ def test_remote_tiles_turn_over_the_ctas(world):
         shapes = ((32, 3), (64, 3), (128, 3), (32, 12), (64, 12))
         assert [worst_cta(n_mb, h, True) for n_mb, h in shapes] == [1, 2, 3, 3, 6]
         assert [worst_cta(n_mb, h, False) for n_mb, h in shapes] == [1, 2, 5, 5, 11]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_cluster_walk_pairs_share_a_head_at_every_step(world):
+    """cluster_walk_pairs (the host's check for cluster_kv=2) holds exactly when every CTA pair of the walk
+    takes two tiles of one (head, batch) at each step and the same number of tiles: at the benchmark's
+    shapes on 132 SMs it holds (whole walk and whole rounds), an odd grid or an odd count of row blocks
+    per head breaks it."""
+    from flash_a2a.mapping import cluster_walk_pairs, tile_coords
+
+    def brute(n_walk, grid, n_mb, h, rank, n_tiles):
+        steps = {}
+        for c in range(grid):
+            steps[c] = [tile_coords(t, world, n_mb, h, rank, n_tiles, grid)[1:3] for t in range(c, n_walk, grid)]
+        return grid % 2 == 0 and all(steps[2 * c] == steps[2 * c + 1] for c in range(grid // 2))
+
+    for seq, h, b in ((8192, 3, 1), (16384, 12, 1), (4096, 9, 2), (384 * world, 2, 1), (1024 * world, 3, 2)):
+        n_mb = seq // world // 128
+        n_tiles = n_mb * world * h * b
+        for grid in (min(n_tiles, 132), min(n_tiles, 131)):
+            for n_walk in (n_tiles, n_tiles // grid * grid):
+                for rank in range(world):
+                    got = cluster_walk_pairs(n_walk, grid, world, n_mb, h, rank, n_tiles)
+                    assert got == brute(n_walk, grid, n_mb, h, rank, n_tiles), (seq, h, b, grid, n_walk, rank)
+    n_mb = 8192 // world // 128
+    assert cluster_walk_pairs(n_mb * world * 3, 132, world, n_mb, 3, 0, n_mb * world * 3)
+    assert not cluster_walk_pairs(n_mb * world * 3, 131, world, n_mb, 3, 0, n_mb * world * 3)

@@ -299,9 +299,22 @@ def test_tile_order_and_mainloop_variants_agree():
     for qkv in ((q, k, v), big):
         ref = flash_attention(*qkv, tail_split=False)  # q_stages=2 runs unsplit ("auto" splits 576 tiles)
         for variant in ({"q_stages": 2}, {"q_stages": 2, "tile_order_world": 2, "tile_order_rank": 1},
-                        {"tile_order_world": 2, "turn_destinations": True, "tail_split": False}):  # turned
+                        {"tile_order_world": 2, "turn_destinations": True, "tail_split": False},  # turned
+                        # K/V multicast to CTA pairs (cluster_kv=2): the same bits, the plain and fused orders
+                        {"cluster_kv": 2, "tail_split": False},
+                        {"cluster_kv": 2, "tile_order_world": 2, "tile_order_rank": 1, "tail_split": False}):
             out = torch.full_like(ref, float("nan"))
             assert torch.equal(flash_attention(*qkv, out=out, **variant), ref), variant
+    # cluster_kv=2 with the split tail's two launches (clustered rounds, unclustered chunks): the split's bits
+    split = flash_attention(*big, tail_split="launch")
+    out = torch.full_like(split, float("nan"))
+    assert torch.equal(flash_attention(*big, out=out, tail_split="launch", cluster_kv=2), split)
+    assert torch.equal(flash_attention(*big, cluster_kv=2), split)  # "auto" takes "launch" here
+    with pytest.raises(ValueError, match="cluster_kv"):
+        flash_attention(*big, cluster_kv=2, tail_split=True)
+    odd = [torch.randn(1, 384, 2, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]  # 3 blocks per head
+    with pytest.raises(ValueError, match="cluster_kv=2 needs"):
+        flash_attention(*odd, cluster_kv=2)
 
 
 @pytest.mark.gpu
@@ -370,17 +383,19 @@ def _worker(rank, world, init_file, path):
                  ("piggyback", {"cross_halves": True, "store": "paced"}),
                  ("piggyback", {"cross_halves": False}), ("piggyback", {"ready_wait": "epilogue"}),
                  ("piggyback", {"ready_wait": "warp_acquire"}), ("piggyback", {"early_done": True}),
-                 ("piggyback", {"early_done": "last_epilogue"}), ("piggyback", {"q_stages": 2}))
+                 ("piggyback", {"early_done": "last_epilogue"}), ("piggyback", {"q_stages": 2}),
+                 ("piggyback", {"cluster_kv": 2}), ("completion_coupled", {"cluster_kv": 2}))
         # (2, 4096, 3, 128): 192 tiles on 132 SMs, so with early_done CTAs 0..59 have a local tail tile and
         # raise their peers' flags after an earlier tile's stores; the shapes of one round only take its other
         # paths (no tail tile; a tail tile and nothing before it)
         multi_round = (("piggyback", {}), ("piggyback", {"early_done": True}),
                        ("completion_coupled", {"early_done": True}), ("piggyback", {"early_done": "last_epilogue"}),
                        ("piggyback", {"store": "paced"}), ("piggyback", {"store": "paced", "peel_drip": True}),
-                       ("piggyback", {"q_stages": 2}), ("completion_coupled", {"q_stages": 2}))
+                       ("piggyback", {"q_stages": 2}), ("completion_coupled", {"q_stages": 2}),
+                       ("piggyback", {"cluster_kv": 2}))
         # (2, 8192, 3, 128): 384 tiles, the first stretch reaches a second round, where turn_destinations turns
         turned = (("piggyback", {}), ("piggyback", {"turn_destinations": True}), ("completion_coupled", {}),
-                  ("piggyback", {"cross_halves": True}))
+                  ("piggyback", {"cross_halves": True}), ("piggyback", {"cluster_kv": 2}))
         for shape, variants in [((1, 1024, 2, 128), every), ((2, 2048, 3, 128), every), ((1, 512, 1, 64), every),
                                 ((2, 4096, 3, 128), multi_round), ((2, 8192, 3, 128), turned)]:
             for mode, knobs in variants:
@@ -439,7 +454,7 @@ def _worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_matches_local_plus_reference_a2a(tmp_path):
     for res in run_ranks(_worker, tmp_path):
-        assert res["checked"] == 2 * (3 * 18 + 8 + 4) + 3  # two draws per (shape, variant), three graph replays
+        assert res["checked"] == 2 * (3 * 20 + 9 + 5) + 3  # two draws per (shape, variant), three graph replays
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"
@@ -644,6 +659,16 @@ def _tail_split_worker(rank, world, init_file, path):
                         fused.check()
                         assert torch.equal(got.cpu(), ref), (shape, mode, option)
                         checked += 1
+        # cluster_kv=2: the clustered rounds kernel, then the unclustered chunks, the same bits as the split
+        for mode in ("piggyback", "completion_coupled"):
+            q, k, v = (torch.randn(2, 4096, 9, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
+            ref = _post_a2a_reference(q, k, v, rank, world, tail_split="launch")
+            fused.state(q).out.fill_(float("nan"))
+            got = fused(q, k, v, mode=mode, tail_split="launch", cluster_kv=2)
+            torch.cuda.synchronize()
+            fused.check()
+            assert torch.equal(got.cpu(), ref), (mode, "cluster_kv")
+            checked += 1
         # The default (two launches at 192 tiles) in a CUDA Graph, replayed with fresh inputs.
         checked += _check_graph_replays(fused, (2, 4096, 3, 128), rank, world)
         with open(f"{path}.{rank}", "w") as f:
@@ -653,4 +678,25 @@ def _tail_split_worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_tail_split_matches_local_split_plus_reference_a2a(tmp_path):
     for res in run_ranks(_tail_split_worker, tmp_path):
-        assert res["checked"] == 3 * 12 + 3
+        assert res["checked"] == 3 * 12 + 2 + 3
+
+
+def test_cluster_kv_compiles_with_multicast_and_refuses_what_it_does_not_pair(tmp_path):
+    """cluster_kv=2 (CTA pairs share each K/V block): the K/V loads are TMA multicasts to the pair, the
+    stages are released on both CTAs' barriers (remote arrives), the launch has a 2-CTA cluster, both modes
+    still run WGMMA; the split kernel, the crossed walk and the tail launch are refused."""
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    for name, knobs in (("local", {"mode": "local"}), ("fused", {"mode": "piggyback", "n_dst": 2}),
+                        ("rounds", {"mode": "local", "walk": "rounds"})):
+        c = _compile(tmp_path / name, head_dim=128, cluster_kv=2, **knobs)
+        assert c.ptx_count(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.tile\.mbarrier::complete_tx"
+                           r"::bytes\.multicast::cluster") >= 2, name
+        assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16") >= 16, name
+        sass = _sass(c)
+        assert "SYNCS.ARRIVE.TRANS64.RED" in sass, "a stage release must reach the peer CTA's barrier"
+    plain = _compile(tmp_path / "plain", head_dim=128, mode="local")
+    assert plain.ptx_count(r"multicast::cluster") == 0
+    for bad in ({"tail_split": True}, {"cross_halves": True}, {"overlap": False}, {"cluster_kv": 4}):
+        with pytest.raises(ValueError, match="cluster_kv"):
+            FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", "cluster_kv": 2, **bad})

@@ -129,6 +129,11 @@ for stage in $stages; do
       # of L1 instead of 60) beside the default and FA4: what the footprint alone costs (q_stages=2 takes that
       # carveout too), at M = $FADIAG_SEQ, 8 rounds, 32 adjacent pairs each.
       pair_diag fa_pad fapad "8192 16384 32768" '{"pad32":{"smem_pad_kib":32}}' fused serial_fa4_nccl ;;
+    facluster)
+      # cluster_kv=2 (CTA pairs share each K/V block through TMA multicast: half the L2->SM traffic of the KV
+      # loop, FA3's cluster for d >= 128) FA-only and fused beside the defaults and FA4, at M = $FADIAG_SEQ,
+      # 8 rounds, 32 adjacent pairs each.
+      pair_diag fa_cluster facluster "8192 16384 32768" '{"cl2":{"cluster_kv":2},"pbcl2":{"mode":"piggyback","cluster_kv":2}}' serial_fa4_nccl ;;
     fatw)
       # try_wait (each K/V wait of the Q-loop probes the barrier first, as FA4's SM90 loop does; ptxas then
       # issues 61 of 66 exponentials ahead of the PV wait) alone and with pin_softmax=36 (53), FA-only beside
