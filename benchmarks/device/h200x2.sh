@@ -134,6 +134,10 @@ for stage in $stages; do
       # loop, FA3's cluster for d >= 128) FA-only and fused beside the defaults and FA4, at M = $FADIAG_SEQ,
       # 8 rounds, 32 adjacent pairs each.
       pair_diag fa_cluster facluster "8192 16384 32768" '{"cl2":{"cluster_kv":2},"pbcl2":{"mode":"piggyback","cluster_kv":2}}' serial_fa4_nccl ;;
+    faclusterpin)
+      # cluster_kv=2 moves ptxas's KV loop to 46 of 66 exponentials ahead of the PV wait (the default: 51);
+      # pin_softmax=34 brings it to 52: that pair beside the defaults and FA4 (as facluster)
+      pair_diag fa_cluster_pin faclusterpin "16384 32768" '{"cl2p34":{"cluster_kv":2,"pin_softmax":34},"pbcl2p34":{"mode":"piggyback","cluster_kv":2,"pin_softmax":34}}' serial_fa4_nccl ;;
     fatw)
       # try_wait (each K/V wait of the Q-loop probes the barrier first, as FA4's SM90 loop does; ptxas then
       # issues 61 of 66 exponentials ahead of the PV wait) alone and with pin_softmax=36 (53), FA-only beside
