@@ -138,6 +138,10 @@ for stage in $stages; do
       # cluster_kv=2 moves ptxas's KV loop to 46 of 66 exponentials ahead of the PV wait (the default: 51);
       # pin_softmax=34 brings it to 52: that pair beside the defaults and FA4 (as facluster)
       pair_diag fa_cluster_pin faclusterpin "16384 32768" '{"cl2p34":{"cluster_kv":2,"pin_softmax":34},"pbcl2p34":{"mode":"piggyback","cluster_kv":2,"pin_softmax":34}}' serial_fa4_nccl ;;
+    fasplit64)
+      # the split tail at M = 64K (12 heads/rank: k = 9, one launch's quartiles spanned -26..+318 us at a4eba34)
+      # against the unsplit kernel and FA4, FA-only, 8 rounds, 32 adjacent pairs each
+      pair_diag fa_split64 fasplit64 "65536" '{"nosplit":{"tail_split":false}}' fused serial_fa4_nccl ;;
     fatw)
       # try_wait (each K/V wait of the Q-loop probes the barrier first, as FA4's SM90 loop does; ptxas then
       # issues 61 of 66 exponentials ahead of the PV wait) alone and with pin_softmax=36 (53), FA-only beside
