@@ -138,6 +138,10 @@ for stage in $stages; do
       # cluster_kv=2 moves ptxas's KV loop to 46 of 66 exponentials ahead of the PV wait (the default: 51);
       # pin_softmax=34 brings it to 52: that pair beside the defaults and FA4 (as facluster)
       pair_diag fa_cluster_pin faclusterpin "16384 32768" '{"cl2p34":{"cluster_kv":2,"pin_softmax":34},"pbcl2p34":{"mode":"piggyback","cluster_kv":2,"pin_softmax":34}}' serial_fa4_nccl ;;
+    faclusterpins)
+      # cluster_kv=2 moved the best exponential window: pin 34 (52 ahead) was slower than the cluster's own 46;
+      # fewer ahead (pin 24: 34, pin 16: 26, unpinned: 4) beside cluster_kv=2 (46), the default and FA4
+      pair_diag fa_cluster_pins faclusterpins "16384 32768" '{"cl2":{"cluster_kv":2},"cl2p24":{"cluster_kv":2,"pin_softmax":24},"cl2p16":{"cluster_kv":2,"pin_softmax":16},"cl2p0":{"cluster_kv":2,"pin_softmax":false}}' fused serial_fa4_nccl ;;
     fasplit64)
       # the split tail at M = 64K (12 heads/rank: k = 9, one launch's quartiles spanned -26..+318 us at a4eba34)
       # against the unsplit kernel and FA4, FA-only, 8 rounds, 32 adjacent pairs each
