@@ -145,11 +145,12 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError("out must be a contiguous tensor of q's shape and dtype")
     n_tiles = (s // TILE_M) * h * b
+    n_kv = _kv_blocks(s, variant)
     check_spans(spans, n_tiles, q.device)
     dm = _dummy(q.device)
     grid = _grid(n_tiles, q.device, persistent)
     knobs = {"head_dim": d, "mode": "local", "overlap": overlap, "instrument": spans is not None, **variant}
-    plan, variant = _split_plan(variant, knobs, n_tiles, grid, s // TILE_N, 1, persistent)
+    plan, variant = _split_plan(variant, knobs, n_tiles, grid, n_kv, 1, persistent)
     _check_cluster(variant, plan, n_tiles, grid, tile_order_world, tile_order_rank, s // tile_order_world // TILE_M,
                    h)
     args = (q, k, v, out)
@@ -158,12 +159,12 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
     if plan == "launch":  # the whole rounds, then the last round's chunks (programmatic dependent launch)
         _kernel(q.dtype, d, "local", False, overlap, walk="rounds", **variant)(*args, dm.i64, *rest)
         _kernel(q.dtype, d, "local", False, overlap, walk="tail", tail_split=True, **_unclustered(variant))(
-            *args, _tail_split_args(q.device, n_tiles, grid, s // TILE_N), *rest)
+            *args, _tail_split_args(q.device, n_tiles, grid, n_kv), *rest)
         return out
     out_ptrs = dm.i64
     if plan == "kernel":
         variant = {**variant, "tail_split": True}
-        out_ptrs = _tail_split_args(q.device, n_tiles, grid, s // TILE_N)
+        out_ptrs = _tail_split_args(q.device, n_tiles, grid, n_kv)
     _kernel(q.dtype, d, "local", spans is not None, overlap, **variant)(*args, out_ptrs, *rest)
     return out
 
@@ -187,6 +188,16 @@ def _split_plan(variant: dict, knobs: dict, n_tiles: int, grid: int, n_kv: int, 
         raise ValueError(f"tail_split={option!r} splits the persistent walk's last round, which these options "
                          f"exclude ({why}): drop them or pass tail_split=False")
     return plan, rest
+
+
+def _kv_blocks(s: int, variant: dict) -> int:
+    """KV blocks per tile for the variant's ``tile_n`` (default TILE_N); ValueError unless they tile the
+    sequence (the kernel has no masked block)."""
+    tile_n = variant.get("tile_n", TILE_N)
+    if s % tile_n:
+        raise ValueError(f"tile_n={tile_n} needs a sequence length that is a multiple of it, got {s}: use "
+                         f"tile_n={TILE_N} (the default)")
+    return s // tile_n
 
 
 def _unclustered(knobs: dict) -> dict:
@@ -289,13 +300,14 @@ class FusedAttentionA2A:
         st = self.state(q)
         b, s, h_loc, d = q.shape
         n_tiles = (s // TILE_M) * h_loc * b
+        n_kv = _kv_blocks(s, variant)
         check_spans(spans, n_tiles, q.device, _grid(n_tiles, q.device))
         dm = _dummy(q.device)
         out_ptrs = st.self_ptrs if self_store else st.out_ptrs
         grid = _grid(n_tiles, q.device)
         knobs = {"head_dim": d, "mode": mode, "instrument": spans is not None, "n_dst": self.world,
                  **FUSED_WALK, **variant}
-        plan, variant = _split_plan(variant, knobs, n_tiles, grid, s // TILE_N, self.world)
+        plan, variant = _split_plan(variant, knobs, n_tiles, grid, n_kv, self.world)
         if plan and n_tiles < grid:  # one round: every CTA's first tile carries the ready gate; nothing split
             plan = False
         _check_cluster(variant, plan, n_tiles, grid, self.world, self.rank, s // self.world // TILE_M, h_loc)
@@ -305,7 +317,7 @@ class FusedAttentionA2A:
         if plan:  # the destinations, then the split's workspace, counters and chunk count
             key = ("tail", self_store, n_tiles, grid)
             if key not in st.extra:  # its own workspace and counters (not shared with flash_attention's)
-                args, work, counts = _new_tail_split_args(q.device, n_tiles, grid, s // TILE_N)
+                args, work, counts = _new_tail_split_args(q.device, n_tiles, grid, n_kv)
                 st.extra[key] = (torch.cat([out_ptrs, args[1:]]), work, counts)
             split_ptrs = st.extra[key][0]
         walk = {**FUSED_WALK, **variant}

@@ -141,7 +141,7 @@ class FlashAttentionA2AForward:
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
                  tail_split: bool = False, walk: str = "all", turn_destinations: bool = False,
-                 cluster_kv: int = 1):
+                 cluster_kv: int = 1, tile_n: int = TILE_N):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -257,6 +257,16 @@ class FlashAttentionA2AForward:
             raise ValueError("cluster_kv=2 pairs whole tiles of one head: use it with the overlapped mainloop and "
                              "no tail_split/cross_halves (the split tail launch runs unclustered)")
         self.cluster_kv = cluster_kv
+        # tile_n: KV rows per block (a measured alternative; FA3 takes 176 at d = 128 non-causal, FA4's SM90 port
+        # 128). 160 is the largest that fits two K/V stages beside Q and sO (224 KiB); the sequence length must
+        # then be a multiple of it (no masked block).
+        if tile_n not in (TILE_N, 160):
+            raise ValueError(f"tile_n must be {TILE_N} or 160, got {tile_n!r}")
+        if tile_n != TILE_N and (head_dim != 128 or store not in ("st",) or q_stages != 1 or smem_pad_kib
+                                 or not overlap):
+            raise ValueError("tile_n=160 is built for head_dim=128, store='st', q_stages=1, no smem_pad_kib and the "
+                             "overlapped mainloop")
+        self.tile_n = tile_n
         if mode == "local" and n_dst != 1:
             raise ValueError("the local kernel has one destination (n_dst=1)")
         if n_dst < 1:
@@ -335,10 +345,10 @@ class FlashAttentionA2AForward:
         # unpinned; all 64 are 3% slower).
         # (identity checks: True == 1 and False == 0, so a dict or `in` lookup would read pin_softmax=1 as True)
         if pin_softmax is True or pin_softmax is False:
-            pin_count = 64 if pin_softmax else 0
+            pin_count = tile_n // 2 if pin_softmax else 0
         elif pin_softmax == "first_row":
-            pin_count = 32
-        elif isinstance(pin_softmax, int) and 0 < pin_softmax <= 64:
+            pin_count = tile_n // 4  # a thread holds tile_n / 4 columns of each of its two rows
+        elif isinstance(pin_softmax, int) and 0 < pin_softmax <= tile_n // 2:
             pin_count = pin_softmax
         else:
             raise ValueError(f"pin_softmax must be False, True, 'first_row' or an int in 1..64, got {pin_softmax!r}")
@@ -392,7 +402,7 @@ class FlashAttentionA2AForward:
         mQt, mKt, mVt = [layout_utils.select(t, sel) for t in (mQ, mK, mV)]
         tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, TILE_N))
+            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n))
         tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
@@ -402,8 +412,8 @@ class FlashAttentionA2AForward:
         else:
             sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
             sQ_one = sQ_layout
-        sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.num_stages)
-        sV_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.num_stages)
+        sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (self.tile_n, d), self.num_stages)
+        sV_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (self.tile_n, d), self.num_stages)
         if const_expr(self.store == "bulk"):
             sO_layout = cute.make_layout((TILE_M, d), stride=(d + O_PAD, 1))
         else:
@@ -416,9 +426,9 @@ class FlashAttentionA2AForward:
             tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_one, (TILE_M, d))
         kv_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_kv > 1) else load_op
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(kv_op, mKt, cute.select(sK_layout, mode=[0, 1]),
-                                                    (TILE_N, d), self.cluster_kv)
+                                                    (self.tile_n, d), self.cluster_kv)
         tma_v, gV_tma = cpasync.make_tiled_tma_atom(kv_op, mVt, cute.select(sV_layout, mode=[0, 1]),
-                                                    (TILE_N, d), self.cluster_kv)
+                                                    (self.tile_n, d), self.cluster_kv)
         tma_os, gO_tmas = None, None
         if const_expr(self.store == "tma"):
             sO_half = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (64, d))
@@ -510,7 +520,7 @@ class FlashAttentionA2AForward:
         seq = Int32(cute.size(mQ, mode=[0]))
         h_loc = Int32(cute.size(mQ, mode=[2]))
         batch = Int32(cute.size(mQ, mode=[3]))
-        n_kv = seq // TILE_N
+        n_kv = seq // self.tile_n
         rows_per_rank = seq // world
         n_mb_per_rank = rows_per_rank // TILE_M
         n_tiles = n_mb_per_rank * world * h_loc * batch
@@ -605,8 +615,8 @@ class FlashAttentionA2AForward:
                     gQ = cute.local_tile(mQ[None, None, h, bb], (TILE_M, d), (m_block, 0))
                     load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ,
                                                               single_stage=True)
-            gK = cute.local_tile(mK[None, None, h, bb], (TILE_N, d), (None, 0))
-            gV = cute.local_tile(mV[None, None, h, bb], (TILE_N, d), (None, 0))
+            gK = cute.local_tile(mK[None, None, h, bb], (self.tile_n, d), (None, 0))
+            gV = cute.local_tile(mV[None, None, h, bb], (self.tile_n, d), (None, 0))
             if const_expr(self.cluster_kv > 1):  # this CTA's share of each block, multicast to the pair
                 pair_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
                 mask = cutlass.Int16((1 << self.cluster_kv) - 1)
@@ -677,7 +687,7 @@ class FlashAttentionA2AForward:
                  tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state):
         """One KV block of the Q-loop: S = Q Kᵀ, online softmax, O = O·rescale + P V."""
         pipe_k.consumer_wait(kv_state)
-        acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
+        acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, self.tile_n), tSrQ, tSrK, B_idx=kv_state.index,
                                           wg_wait=0)
         pipe_k.consumer_release(kv_state)
         row_scale = softmax.update(acc_s, is_first)
@@ -738,7 +748,7 @@ class FlashAttentionA2AForward:
         kv_state.advance()
         self.wait_stage(pipe_k, kv_state)
         cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
-        acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
+        acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, self.tile_n), tSrQ, tSrK, B_idx=kv_state.index,
                                           wg_wait=-1)
         if const_expr(self.rescale_before_pv):
             softmax.rescale(acc_o, pending_scale)
@@ -791,7 +801,7 @@ class FlashAttentionA2AForward:
         self.wait_stage(pipe_k, kv_state)
         if const_expr(self.sync_first_block):
             cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WG_THREADS)
-        acc_s0 = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
+        acc_s0 = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, self.tile_n), tSrQ, tSrK, B_idx=kv_state.index,
                                            wg_wait=-1)
         if const_expr(self.sync_first_block):
             cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + other, number_of_threads=2 * WG_THREADS)
@@ -932,9 +942,9 @@ class FlashAttentionA2AForward:
         wg_layout = cute.make_layout(self.num_mma_wg, stride=WG_THREADS)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg))
         wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg))
-        _, tSrQ, tSrK = sm90_utils.partition_fragment_ABC(wg_mma_qk, (TILE_M, TILE_N, d), sQ, sK)
+        _, tSrQ, tSrK = sm90_utils.partition_fragment_ABC(wg_mma_qk, (TILE_M, self.tile_n, d), sQ, sK)
         sVt = layout_utils.transpose_view(sV)
-        acc_o, tOrP, tOrVt = sm90_utils.partition_fragment_ABC(wg_mma_pv, (TILE_M, d, TILE_N), None, sVt)
+        acc_o, tOrP, tOrVt = sm90_utils.partition_fragment_ABC(wg_mma_pv, (TILE_M, d, self.tile_n), None, sVt)
         # Epilogue: registers -> sO (stmatrix) -> 128-bit stores by this warpgroup's 128 threads.
         st_atom = copy_utils.get_smem_store_atom(self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)

@@ -312,6 +312,14 @@ def test_tile_order_and_mainloop_variants_agree():
     assert torch.equal(flash_attention(*big, cluster_kv=2), split)  # "auto" takes "launch" here
     with pytest.raises(ValueError, match="cluster_kv"):
         flash_attention(*big, cluster_kv=2, tail_split=True)
+    # tile_n=160 (KV blocks of 160 rows): another summation order, so against fp64, at a length it divides
+    for pin in ("first_row", 36):
+        q160 = [torch.randn(2, 2560, 3, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]
+        out = torch.full_like(q160[0], float("nan"))
+        flash_attention(*q160, out=out, tile_n=160, pin_softmax=pin)
+        assert rel_err(out, reference_attention(*q160)) <= 1e-2, pin
+    with pytest.raises(ValueError, match="tile_n"):
+        flash_attention(q, k, v, tile_n=160)  # 2048 rows: not a multiple of 160
     odd = [torch.randn(1, 384, 2, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]  # 3 blocks per head
     with pytest.raises(ValueError, match="cluster_kv=2 needs"):
         flash_attention(*odd, cluster_kv=2)
@@ -397,12 +405,16 @@ def _worker(rank, world, init_file, path):
         turned = (("piggyback", {}), ("piggyback", {"turn_destinations": True}), ("completion_coupled", {}),
                   ("piggyback", {"cross_halves": True}), ("piggyback", {"cluster_kv": 2}))
         for shape, variants in [((1, 1024, 2, 128), every), ((2, 2048, 3, 128), every), ((1, 512, 1, 64), every),
-                                ((2, 4096, 3, 128), multi_round), ((2, 8192, 3, 128), turned)]:
+                                ((2, 4096, 3, 128), multi_round), ((2, 8192, 3, 128), turned),
+                                ((1, 2560, 2, 128), (("piggyback", {"tile_n": 160}),
+                                                     ("completion_coupled", {"tile_n": 160})))]:
             for mode, knobs in variants:
                 for _ in range(2):
                     q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
-                    # unsplit on both sides (the split tail, the default where it pays, is _tail_split_worker's)
-                    ref = _post_a2a_reference(q, k, v, rank, world, tail_split=False)
+                    # unsplit on both sides (the split tail, the default where it pays, is _tail_split_worker's);
+                    # the local kernel with the same KV block (tile_n), so the same summation order
+                    ref = _post_a2a_reference(q, k, v, rank, world, tail_split=False,
+                                              **{n: x for n, x in knobs.items() if n == "tile_n"})
                     fused.state(q).out.fill_(float("nan"))
                     got = fused(q, k, v, mode=mode, tail_split=False, **knobs)
                     torch.cuda.synchronize()
@@ -454,7 +466,7 @@ def _worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_matches_local_plus_reference_a2a(tmp_path):
     for res in run_ranks(_worker, tmp_path):
-        assert res["checked"] == 2 * (3 * 20 + 9 + 5) + 3  # two draws per (shape, variant), three graph replays
+        assert res["checked"] == 2 * (3 * 20 + 9 + 5 + 2) + 3  # two draws per (shape, variant), three graph replays
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"
@@ -700,3 +712,21 @@ def test_cluster_kv_compiles_with_multicast_and_refuses_what_it_does_not_pair(tm
     for bad in ({"tail_split": True}, {"cross_halves": True}, {"overlap": False}, {"cluster_kv": 4}):
         with pytest.raises(ValueError, match="cluster_kv"):
             FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", "cluster_kv": 2, **bad})
+
+
+def test_tile_n_160_compiles_to_its_kv_loop_and_refuses_the_rest(tmp_path):
+    """tile_n=160: the KV loop holds 18 HGMMA (8 for S = Q Kᵀ at n = 160, 10 for O += P V at k = 160) and 82
+    exponentials (80 + 2 row scales); the default's SASS is untouched; other epilogues/knobs are refused."""
+    from cute_kernels.compile import hgmma_loop, softmax_overlap
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    for mode, extra in (("local", {}), ("piggyback", {"n_dst": 2})):
+        text = _sass(_compile(tmp_path / mode, head_dim=128, mode=mode, tile_n=160, **extra))
+        loop = hgmma_loop(text, 18)
+        assert loop is not None, mode
+        assert sum("MUFU.EX2" in x for x in loop) == 82, mode
+        assert len(softmax_overlap(text)) == 1
+    for bad in ({"tile_n": 192}, {"tile_n": 160, "store": "tma"}, {"tile_n": 160, "head_dim": 64},
+                {"tile_n": 160, "q_stages": 2}):
+        with pytest.raises(ValueError, match="tile_n"):
+            FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", **bad})

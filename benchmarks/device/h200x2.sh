@@ -142,6 +142,11 @@ for stage in $stages; do
       # cluster_kv=2 moved the best exponential window: pin 34 (52 ahead) was slower than the cluster's own 46;
       # fewer ahead (pin 24: 34, pin 16: 26, unpinned: 4) beside cluster_kv=2 (46), the default and FA4
       pair_diag fa_cluster_pins faclusterpins "16384 32768" '{"cl2":{"cluster_kv":2},"cl2p24":{"cluster_kv":2,"pin_softmax":24},"cl2p16":{"cluster_kv":2,"pin_softmax":16},"cl2p0":{"cluster_kv":2,"pin_softmax":false}}' fused serial_fa4_nccl ;;
+    fat160)
+      # tile_n=160 (KV blocks of 160 rows, FA3's direction: fewer per-block fixed costs per column) with ptxas's
+      # own window (82 of 82 exponentials ahead of the PV wait) and pin 36 (40 of 80), unsplit, beside the
+      # unsplit and default kernels and FA4, at lengths that 160 and 2 x 128 divide, 32 adjacent pairs each
+      pair_diag fa_t160 fat160 "16640 32000" '{"nosplit":{"tail_split":false},"t160":{"tile_n":160,"tail_split":false},"t160p36":{"tile_n":160,"pin_softmax":36,"tail_split":false}}' fused serial_fa4_nccl ;;
     fasplit64)
       # the split tail at M = 64K (12 heads/rank: k = 9, one launch's quartiles spanned -26..+318 us at a4eba34)
       # against the unsplit kernel and FA4, FA-only, 8 rounds, 32 adjacent pairs each
