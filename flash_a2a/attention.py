@@ -250,7 +250,9 @@ class FlashAttentionA2AForward:
         # it into both CTAs' shared memory, so L2 serves each block once per pair: half the L2->SM traffic of
         # the KV loop. The pair runs in lockstep (a stage is refilled once both CTAs released it), so the walk
         # must give CTAs 2c and 2c+1 tiles of one (head, batch) at every step and the same count
-        # (mapping.cluster_walk_pairs; the host checks it); the grid is even.
+        # (mapping.cluster_walk_pairs; the host checks it); the grid is even. Measured on H200 it is 0.8-1.8%
+        # slower than the default at every unsplit shape (flash_a2a_variants/fa_cluster_ec15b51.json; its KV
+        # loop keeps 46 of 66 exponentials ahead of the PV wait, and other pins are slower still), so it is off.
         if cluster_kv not in (1, 2):
             raise ValueError(f"cluster_kv must be 1 or 2, got {cluster_kv!r}")
         if cluster_kv > 1 and (tail_split or cross_halves or walk == "tail" or not overlap):
@@ -259,7 +261,8 @@ class FlashAttentionA2AForward:
         self.cluster_kv = cluster_kv
         # tile_n: KV rows per block (a measured alternative; FA3 takes 176 at d = 128 non-causal, FA4's SM90 port
         # 128). 160 is the largest that fits two K/V stages beside Q and sO (224 KiB); the sequence length must
-        # then be a multiple of it (no masked block).
+        # then be a multiple of it (no masked block). Measured on H200: 6-9% slower than the default
+        # (flash_a2a_variants/fa_t160_92638e2.json), so it is off.
         if tile_n not in (TILE_N, 160):
             raise ValueError(f"tile_n must be {TILE_N} or 160, got {tile_n!r}")
         if tile_n != TILE_N and (head_dim != 128 or store not in ("st",) or q_stages != 1 or smem_pad_kib
