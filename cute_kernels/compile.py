@@ -174,6 +174,32 @@ def softmax_overlap(sass_text: str) -> list[tuple[int, int]]:
     return out
 
 
+SYNC_MARKS = ("HGMMA", "BAR.", "SYNCS", "DEPBAR", "WARPGROUP.ARRIVE", "BRA")
+
+
+def loop_outline(body: list[str]) -> list[tuple[str, object]]:
+    """A KV loop's body (``hgmma_loop``) as its synchronization skeleton: ("sync", instruction) for each
+    HGMMA, barrier, mbarrier op, warpgroup fence/wait and branch, in order, and between two of them
+    ("ops", {opcode base: count}) for the arithmetic ptxas placed there (MUFU, FFMA, FMUL, F2FP...). Two
+    kernels with the same instructions but another schedule differ here (e.g. what sits between the QKᵀ
+    HGMMAs, or how many MUFU precede the PV wait)."""
+    out: list[tuple[str, object]] = []
+    ops: dict[str, int] = {}
+    for ins in body:
+        op = ins.split()[1] if ins.startswith("@") else ins.split()[0]
+        if any(mark in ins for mark in SYNC_MARKS):
+            if ops:
+                out.append(("ops", ops))
+                ops = {}
+            out.append(("sync", ins))
+        else:
+            base = op.split(".")[0]
+            ops[base] = ops.get(base, 0) + 1
+    if ops:
+        out.append(("ops", ops))
+    return out
+
+
 def hgmma_loop(sass_text: str, hgmmas: int) -> list[str] | None:
     """The instructions of the shortest backward-branch loop in the SASS that holds exactly ``hgmmas``
     HGMMAs (the attention kernel's KV-block loop: 16 at d = 128), or None."""

@@ -730,3 +730,20 @@ def test_tile_n_160_compiles_to_its_kv_loop_and_refuses_the_rest(tmp_path):
                 {"tile_n": 160, "q_stages": 2}):
         with pytest.raises(ValueError, match="tile_n"):
             FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", **bad})
+
+
+def test_kv_loop_outline_keeps_every_instruction_of_the_loop(tmp_path):
+    """loop_outline (benchmarks/kv_loop_sass.py's view of a KV loop): the default loop's 16 HGMMA, its one
+    scheduler-barrier wait and arrival, both warpgroup waits in order (S ready, then PV done), and all 66
+    exponentials counted between them; nothing dropped."""
+    from cute_kernels.compile import hgmma_loop, loop_outline
+
+    body = hgmma_loop(_sass(_compile(tmp_path, head_dim=128, mode="local")), 16)
+    outline = loop_outline(body)
+    syncs = [x for kind, x in outline if kind == "sync"]
+    assert sum("HGMMA" in x for x in syncs) == 16
+    assert sum("BAR.SYNC" in x for x in syncs) == 1 and sum("BAR.ARV" in x for x in syncs) == 1
+    waits = [x for x in syncs if "WARPGROUP.DEPBAR" in x]
+    assert waits == [w for w in waits if "0x1" in w] + [w for w in waits if "0x0" in w] and len(waits) == 2
+    assert sum(ops.get("MUFU", 0) for kind, ops in outline if kind == "ops") == 66
+    assert len(syncs) + sum(sum(ops.values()) for kind, ops in outline if kind == "ops") == len(body)
