@@ -94,8 +94,11 @@ class OnlineSoftmax(ParamsBase):
                              cute.make_rmem_tensor(num_rows, Float32))
 
     @cute.jit
-    def update(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
-        """Exponentiate S in place (P = exp2(S·scale − max·scale)); return each row's rescale factor."""
+    def update(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool],
+               threshold: cutlass.Constexpr[float] = 0.0) -> cute.Tensor:
+        """Exponentiate S in place (P = exp2(S·scale − max·scale)); return each row's rescale factor.
+        ``threshold`` > 0: keep the row's max unless the new one exceeds it by more than that (log2 units), so
+        P stays below 2^threshold and most blocks rescale nothing (factor exactly 1)."""
         s_mn = layout_utils.reshape_acc_to_mn(acc_s)
         row_scale = cute.make_fragment_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
@@ -104,6 +107,9 @@ class OnlineSoftmax(ParamsBase):
             if const_expr(not is_first):
                 cur = cute.arch.fmax(cur, self.row_max[r])
             cur = cute.arch.warp_reduction_max(cur, threads_in_group=4)
+            if const_expr(threshold > 0.0 and not is_first):
+                if (cur - self.row_max[r]) * self.scale_log2 <= Float32(threshold):
+                    cur = self.row_max[r]
             cur_scaled = cur * self.scale_log2
             p = cute.math.exp2(row * self.scale_log2 - cur_scaled, fastmath=True)
             if const_expr(is_first):
@@ -126,10 +132,20 @@ class OnlineSoftmax(ParamsBase):
         return inv
 
     @cute.jit
-    def rescale(self, acc_o: cute.Tensor, row_scale: cute.Tensor):
+    def rescale(self, acc_o: cute.Tensor, row_scale: cute.Tensor, skip_unit: cutlass.Constexpr[bool] = False):
+        """O *= each row's factor. ``skip_unit``: a warp none of whose rows changed its max (every factor
+        exactly 1, the rescale threshold) skips the multiplies (a warp-uniform branch)."""
         o_mn = layout_utils.reshape_acc_to_mn(acc_o)
-        for r in cutlass.range_constexpr(cute.size(row_scale)):
-            o_mn[r, None].store(o_mn[r, None].load() * row_scale[r])
+        if const_expr(skip_unit):
+            changed = row_scale[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+                changed = changed | (row_scale[r] != Float32(1.0))
+            if cute.arch.vote_any_sync(changed):
+                for r in cutlass.range_constexpr(cute.size(row_scale)):
+                    o_mn[r, None].store(o_mn[r, None].load() * row_scale[r])
+        else:
+            for r in cutlass.range_constexpr(cute.size(row_scale)):
+                o_mn[r, None].store(o_mn[r, None].load() * row_scale[r])
 
 
 class FlashAttentionA2AForward:
@@ -141,7 +157,7 @@ class FlashAttentionA2AForward:
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
                  tail_split: bool = False, walk: str = "all", turn_destinations: bool = False,
-                 cluster_kv: int = 1, tile_n: int = TILE_N):
+                 cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 0.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -270,6 +286,14 @@ class FlashAttentionA2AForward:
             raise ValueError("tile_n=160 is built for head_dim=128, store='st', q_stages=1, no smem_pad_kib and the "
                              "overlapped mainloop")
         self.tile_n = tile_n
+        # rescale_threshold (FA4's SM100 trick, a measured alternative): a row keeps its running max unless a
+        # block raises it by more than this many powers of two, so P < 2^threshold and in most blocks no row
+        # of a warp changes: its 64 O-rescale multiplies are skipped. 0: the max follows every block.
+        if not (isinstance(rescale_threshold, (int, float)) and 0.0 <= rescale_threshold <= 16.0):
+            raise ValueError(f"rescale_threshold must be a number in [0, 16], got {rescale_threshold!r}")
+        if rescale_threshold and not overlap:
+            raise ValueError("rescale_threshold works with the overlapped mainloop (overlap=True)")
+        self.rescale_threshold = float(rescale_threshold)
         if mode == "local" and n_dst != 1:
             raise ValueError("the local kernel has one destination (n_dst=1)")
         if n_dst < 1:
@@ -754,7 +778,7 @@ class FlashAttentionA2AForward:
         acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, self.tile_n), tSrQ, tSrK, B_idx=kv_state.index,
                                           wg_wait=-1)
         if const_expr(self.rescale_before_pv):
-            softmax.rescale(acc_o, pending_scale)
+            softmax.rescale(acc_o, pending_scale, self.rescale_threshold > 0)
         self.wait_stage(pipe_v, kv_v)
         sm90_utils.gemm_w_idx(tiled_mma_pv, acc_o, tOrP, tOrVt, zero_init=False, B_idx=kv_v.index, wg_wait=-1)
         cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + other, number_of_threads=2 * WG_THREADS)
@@ -768,7 +792,7 @@ class FlashAttentionA2AForward:
         warpgroup.wait_group(1)  # S ready; PV may still run
         if const_expr(not self.pin_softmax):
             pipe_k.consumer_release(kv_state)
-        row_scale = softmax.update(acc_s, False)
+        row_scale = softmax.update(acc_s, False, self.rescale_threshold)
         if const_expr(self.pin_softmax):
             # ptxas sinks the exponentials below the PV wait (they are consumed after it), which takes the
             # softmax off this warpgroup's own PV GEMM. Releasing K under a predicate that reads the pinned
@@ -784,7 +808,7 @@ class FlashAttentionA2AForward:
         if const_expr(self.rescale_before_pv):
             pending_scale.store(row_scale.load())
         else:
-            softmax.rescale(acc_o, row_scale)
+            softmax.rescale(acc_o, row_scale, self.rescale_threshold > 0)
         if const_expr(not self.p_first):
             tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s).load().to(self.dtype))
         return kv_state
@@ -841,7 +865,7 @@ class FlashAttentionA2AForward:
                 kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
                                                  tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg)
         if const_expr(self.rescale_before_pv):
-            softmax.rescale(acc_o, pending_scale)
+            softmax.rescale(acc_o, pending_scale, self.rescale_threshold > 0)
         # Q is no longer read: let the producer load the next tile's Q under the last PV and the epilogue.
         pipe_q.consumer_release(q_state)
         # last block's PV

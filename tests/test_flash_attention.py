@@ -320,6 +320,13 @@ def test_tile_order_and_mainloop_variants_agree():
         assert rel_err(out, reference_attention(*q160)) <= 1e-2, pin
     with pytest.raises(ValueError, match="tile_n"):
         flash_attention(q, k, v, tile_n=160)  # 2048 rows: not a multiple of 160
+    # rescale_threshold=8 (a row keeps its max until a block raises it by > 2^8): another rounding, so against
+    # fp64; also with logits scaled up (q x 8, scale 1) so rows do raise their max by more than that
+    for scale_q, scale in ((1.0, None), (8.0, 1.0)):
+        qs = (q.float() * scale_q).to(torch.bfloat16)
+        out = torch.full_like(q, float("nan"))
+        flash_attention(qs, k, v, out=out, softmax_scale=scale, rescale_threshold=8.0)
+        assert rel_err(out, reference_attention(qs, k, v, scale)) <= 1e-2, scale_q
     odd = [torch.randn(1, 384, 2, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]  # 3 blocks per head
     with pytest.raises(ValueError, match="cluster_kv=2 needs"):
         flash_attention(*odd, cluster_kv=2)
@@ -407,14 +414,16 @@ def _worker(rank, world, init_file, path):
         for shape, variants in [((1, 1024, 2, 128), every), ((2, 2048, 3, 128), every), ((1, 512, 1, 64), every),
                                 ((2, 4096, 3, 128), multi_round), ((2, 8192, 3, 128), turned),
                                 ((1, 2560, 2, 128), (("piggyback", {"tile_n": 160}),
-                                                     ("completion_coupled", {"tile_n": 160})))]:
+                                                     ("completion_coupled", {"tile_n": 160}),
+                                                     ("piggyback", {"rescale_threshold": 8.0})))]:
             for mode, knobs in variants:
                 for _ in range(2):
                     q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
                     # unsplit on both sides (the split tail, the default where it pays, is _tail_split_worker's);
                     # the local kernel with the same KV block (tile_n), so the same summation order
                     ref = _post_a2a_reference(q, k, v, rank, world, tail_split=False,
-                                              **{n: x for n, x in knobs.items() if n == "tile_n"})
+                                              **{n: x for n, x in knobs.items()
+                                                 if n in ("tile_n", "rescale_threshold")})
                     fused.state(q).out.fill_(float("nan"))
                     got = fused(q, k, v, mode=mode, tail_split=False, **knobs)
                     torch.cuda.synchronize()
@@ -466,7 +475,7 @@ def _worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_matches_local_plus_reference_a2a(tmp_path):
     for res in run_ranks(_worker, tmp_path):
-        assert res["checked"] == 2 * (3 * 20 + 9 + 5 + 2) + 3  # two draws per (shape, variant), three graph replays
+        assert res["checked"] == 2 * (3 * 20 + 9 + 5 + 3) + 3  # two draws per (shape, variant), three graph replays
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"
@@ -747,3 +756,25 @@ def test_kv_loop_outline_keeps_every_instruction_of_the_loop(tmp_path):
     assert waits == [w for w in waits if "0x1" in w] + [w for w in waits if "0x0" in w] and len(waits) == 2
     assert sum(ops.get("MUFU", 0) for kind, ops in outline if kind == "ops") == 66
     assert len(syncs) + sum(sum(ops.values()) for kind, ops in outline if kind == "ops") == len(body)
+
+
+def test_rescale_threshold_skips_the_o_rescale_in_a_branch(tmp_path):
+    """rescale_threshold=8: the KV loop's 64 O-rescale FMULs sit behind a warp-uniform branch (a VOTE and a
+    predicated BRA ahead of them), the QKᵀ HGMMAs issue back to back, the exponential window stays 51;
+    the default loop has no VOTE; bad values are refused."""
+    from cute_kernels.compile import hgmma_loop, loop_outline, softmax_overlap
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    text = _sass(_compile(tmp_path / "th", head_dim=128, mode="local", rescale_threshold=8.0))
+    body = hgmma_loop(text, 16)
+    assert any("VOTE" in x for x in body) and softmax_overlap(text) == [(51, 66)]
+    outline = loop_outline(body)
+    qk = [i for i, (kind, x) in enumerate(outline) if kind == "sync" and "HGMMA" in x and "tnspB" not in x]
+    assert len(qk) == 8 and qk[-1] - qk[0] <= 2 * 7, "QK HGMMAs interleaved with other work"
+    fmul_block = [ops for kind, ops in outline if kind == "ops" and ops.get("FMUL", 0) == 64]
+    assert len(fmul_block) == 1, "the 64 rescale FMULs as one skippable block"
+    default = hgmma_loop(_sass(_compile(tmp_path / "default", head_dim=128, mode="local")), 16)
+    assert not any("VOTE" in x for x in default)
+    for bad in (-1.0, 17.0, "8"):
+        with pytest.raises(ValueError, match="rescale_threshold"):
+            FlashAttentionA2AForward(head_dim=128, rescale_threshold=bad)

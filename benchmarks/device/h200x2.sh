@@ -147,6 +147,11 @@ for stage in $stages; do
       # own window (82 of 82 exponentials ahead of the PV wait) and pin 36 (40 of 80), unsplit, beside the
       # unsplit and default kernels and FA4, at lengths that 160 and 2 x 128 divide, 32 adjacent pairs each
       pair_diag fa_t160 fat160 "16640 32000" '{"nosplit":{"tail_split":false},"t160":{"tile_n":160,"tail_split":false},"t160p36":{"tile_n":160,"pin_softmax":36,"tail_split":false}}' fused serial_fa4_nccl ;;
+    fath)
+      # rescale_threshold=8 (a row keeps its max until a block raises it by > 2^8, so most blocks skip the 64
+      # O-rescale FMULs behind a warp-uniform branch; FA4's SM100 trick) FA-only beside the default and FA4,
+      # 16K/32K, 8 rounds, 32 adjacent pairs each
+      pair_diag fa_th fath "16384 32768" '{"th8":{"rescale_threshold":8.0}}' fused serial_fa4_nccl ;;
     fasplit64)
       # the split tail at M = 64K (12 heads/rank: k = 9, one launch's quartiles spanned -26..+318 us at a4eba34)
       # against the unsplit kernel and FA4, FA-only, 8 rounds, 32 adjacent pairs each
