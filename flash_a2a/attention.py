@@ -157,7 +157,7 @@ class FlashAttentionA2AForward:
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
                  tail_split: bool = False, walk: str = "all", turn_destinations: bool = False,
-                 cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 0.0):
+                 cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 8.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -293,9 +293,7 @@ class FlashAttentionA2AForward:
         # off by default until its fused and split-tail paths have run on the GPU.
         if not (isinstance(rescale_threshold, (int, float)) and 0.0 <= rescale_threshold <= 16.0):
             raise ValueError(f"rescale_threshold must be a number in [0, 16], got {rescale_threshold!r}")
-        if rescale_threshold and not overlap:
-            raise ValueError("rescale_threshold works with the overlapped mainloop (overlap=True)")
-        self.rescale_threshold = float(rescale_threshold)
+        self.rescale_threshold = float(rescale_threshold) if overlap else 0.0  # the plain loop rescales each block
         if mode == "local" and n_dst != 1:
             raise ValueError("the local kernel has one destination (n_dst=1)")
         if n_dst < 1:
