@@ -293,9 +293,7 @@ class FlashAttentionA2AForward:
         # off by default until its fused and split-tail paths have run on the GPU.
         if not (isinstance(rescale_threshold, (int, float)) and 0.0 <= rescale_threshold <= 16.0):
             raise ValueError(f"rescale_threshold must be a number in [0, 16], got {rescale_threshold!r}")
-        if rescale_threshold and not overlap:
-            raise ValueError("rescale_threshold works with the overlapped mainloop (overlap=True)")
-        self.rescale_threshold = float(rescale_threshold)
+        self.rescale_threshold = float(rescale_threshold) if overlap else 0.0  # the plain loop rescales each block
         if mode == "local" and n_dst != 1:
             raise ValueError("the local kernel has one destination (n_dst=1)")
         if n_dst < 1:
