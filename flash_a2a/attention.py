@@ -79,6 +79,13 @@ def row_max_ilp(s_mn: cute.Tensor, r: cutlass.Constexpr[int]) -> Float32:
     return cute.arch.fmax(cute.arch.fmax(m0, m1), cute.arch.fmax(m2, m3))
 
 
+@cute.jit
+def scale_rows(o_mn: cute.Tensor, row_scale: cute.Tensor):
+    """Row r of O (an (M, N) view of the accumulator) times row_scale[r]."""
+    for r in cutlass.range_constexpr(cute.size(row_scale)):
+        o_mn[r, None].store(o_mn[r, None].load() * row_scale[r])
+
+
 @dataclass
 class OnlineSoftmax(ParamsBase):
     """Row max / row sum of one MMA warpgroup's rows, each row spread over a quad of threads. A ParamsBase
@@ -141,11 +148,9 @@ class OnlineSoftmax(ParamsBase):
             for r in cutlass.range_constexpr(1, cute.size(row_scale)):
                 changed = changed | (row_scale[r] != Float32(1.0))
             if cute.arch.vote_any_sync(changed):
-                for r in cutlass.range_constexpr(cute.size(row_scale)):
-                    o_mn[r, None].store(o_mn[r, None].load() * row_scale[r])
+                scale_rows(o_mn, row_scale)
         else:
-            for r in cutlass.range_constexpr(cute.size(row_scale)):
-                o_mn[r, None].store(o_mn[r, None].load() * row_scale[r])
+            scale_rows(o_mn, row_scale)
 
 
 class FlashAttentionA2AForward:
@@ -281,7 +286,7 @@ class FlashAttentionA2AForward:
         # (flash_a2a_variants/fa_t160_92638e2.json), so it is off.
         if tile_n not in (TILE_N, 160):
             raise ValueError(f"tile_n must be {TILE_N} or 160, got {tile_n!r}")
-        if tile_n != TILE_N and (head_dim != 128 or store not in ("st",) or q_stages != 1 or smem_pad_kib
+        if tile_n != TILE_N and (head_dim != 128 or store != "st" or q_stages != 1 or smem_pad_kib
                                  or not overlap):
             raise ValueError("tile_n=160 is built for head_dim=128, store='st', q_stages=1, no smem_pad_kib and the "
                              "overlapped mainloop")
@@ -378,7 +383,8 @@ class FlashAttentionA2AForward:
         elif isinstance(pin_softmax, int) and 0 < pin_softmax <= tile_n // 2:
             pin_count = pin_softmax
         else:
-            raise ValueError(f"pin_softmax must be False, True, 'first_row' or an int in 1..64, got {pin_softmax!r}")
+            raise ValueError(f"pin_softmax must be False, True, 'first_row' or an int in 1..{tile_n // 2}, "
+                             f"got {pin_softmax!r}")
         self.pin_count = pin_count if overlap else 0
         self.pin_softmax = self.pin_count > 0
         # p_first: after the PV wait convert P before rescaling O (FA4's order). rescale_before_pv: rescale O by

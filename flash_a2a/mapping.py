@@ -285,19 +285,30 @@ def choose_tail_split(n_tiles: int, grid: int, n_kv: int, max_k: int = 16) -> in
     return best_k
 
 
-def tail_launch_pays(n_tiles: int, grid: int, n_kv: int, world: int = 1) -> bool:
-    """Where the split tail in a second launch (tail_split="launch") is taken by "auto": the walk has a whole
-    round before a partly empty one, ``choose_tail_split`` splits that round (k > 1) and saves more than the
-    second launch costs (``LAUNCH_COST_KV_BLOCKS``), and, fused, the fused
-    walk's local tail covers it (the tail launch stores locally and runs no ready gate; ``world`` = 1: the
-    local kernel, every tile local). Its rounds kernel
-    keeps the default's KV loop, so only the chunks pay the split's slower schedule."""
+def launch_split(n_tiles: int, grid: int, n_kv: int, world: int = 1):
+    """What a split tail in a second launch would take: None when there is nothing to split (the tiles fit in
+    one round, the last round is full, or no k > 1 shortens it, ``choose_tail_split``), else (tail tiles, k,
+    whether the fused walk's local tail covers them: the tail launch stores locally and runs no ready gate;
+    always at ``world`` = 1, the local kernel)."""
     tail = n_tiles % grid
-    if n_tiles < grid or tail == 0 or not (world == 1 or local_tail(n_tiles, world, grid) >= tail):
-        return False
+    if n_tiles < grid or tail == 0:
+        return None
     k = choose_tail_split(n_tiles, grid, n_kv)
-    saved_kv_blocks = (1.0 - split_tail_time(tail, grid, n_kv, k)) * n_kv
-    return k > 1 and saved_kv_blocks > LAUNCH_COST_KV_BLOCKS
+    if k == 1:
+        return None
+    return tail, k, world == 1 or local_tail(n_tiles, world, grid) >= tail
+
+
+def tail_launch_pays(n_tiles: int, grid: int, n_kv: int, world: int = 1) -> bool:
+    """Where the split tail in a second launch (tail_split="launch") is taken by "auto": ``launch_split`` has
+    a split whose tail the fused walk keeps local, and it saves more than the second launch costs
+    (``LAUNCH_COST_KV_BLOCKS``). Its rounds kernel keeps the default's KV loop, so only the chunks pay the
+    split's slower schedule."""
+    split = launch_split(n_tiles, grid, n_kv, world)
+    if split is None or not split[2]:
+        return False
+    tail, k, _ = split
+    return (1.0 - split_tail_time(tail, grid, n_kv, k)) * n_kv > LAUNCH_COST_KV_BLOCKS
 
 
 TAIL_SPLITS = (False, True, "kernel", "launch", "auto")
@@ -315,11 +326,11 @@ def resolve_tail_split(option, n_tiles: int, grid: int, n_kv: int = 64, world: i
     if option == "auto":
         return "launch" if tail_launch_pays(n_tiles, grid, n_kv, world) else False
     if option == "launch":
-        tail = n_tiles % grid
-        if n_tiles < grid or tail == 0 or choose_tail_split(n_tiles, grid, n_kv) == 1:
+        split = launch_split(n_tiles, grid, n_kv, world)
+        if split is None:
             return False
-        if world > 1 and local_tail(n_tiles, world, grid) < tail:
-            raise ValueError(f"tail_split='launch': the last round of {tail} tiles is not all local at world size "
-                             f"{world} (the tail launch stores locally); use tail_split='kernel' or 'auto'")
+        if not split[2]:
+            raise ValueError(f"tail_split='launch': the last round of {split[0]} tiles is not all local at world "
+                             f"size {world} (the tail launch stores locally); use tail_split='kernel' or 'auto'")
         return "launch"
     raise ValueError(f"tail_split must be one of {TAIL_SPLITS}, got {option!r}")

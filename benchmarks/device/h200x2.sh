@@ -152,6 +152,11 @@ for stage in $stages; do
       # O-rescale FMULs behind a warp-uniform branch; FA4's SM100 trick) FA-only beside the default and FA4,
       # 16K/32K, 8 rounds, 32 adjacent pairs each
       pair_diag fa_th fath "16384 32768" '{"th8":{"rescale_threshold":8.0}}' fused serial_fa4_nccl ;;
+    fathtune)
+      # with rescale_threshold=8: the O rescale after the PV wait (rescale_before_pv=False: 58 of 66
+      # exponentials ahead of the PV wait), pin 40 (52), every exponential pinned (66), against the threshold
+      # alone (51) and FA4, 16K/32K, 8 rounds, 32 adjacent pairs each (not yet run)
+      pair_diag fa_thtune fathtune "16384 32768" '{"th8":{"rescale_threshold":8.0},"th8nb":{"rescale_threshold":8.0,"rescale_before_pv":false},"th8p40":{"rescale_threshold":8.0,"pin_softmax":40},"th8all":{"rescale_threshold":8.0,"pin_softmax":true}}' fused serial_fa4_nccl ;;
     fasplit64)
       # the split tail at M = 64K (12 heads/rank: k = 9, one launch's quartiles spanned -26..+318 us at a4eba34)
       # against the unsplit kernel and FA4, FA-only, 8 rounds, 32 adjacent pairs each
