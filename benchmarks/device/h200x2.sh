@@ -157,6 +157,11 @@ for stage in $stages; do
       # exponentials ahead of the PV wait), pin 40 (52), every exponential pinned (66), against the threshold
       # alone (51) and FA4, 16K/32K, 8 rounds, 32 adjacent pairs each (not yet run)
       pair_diag fa_thtune fathtune "16384 32768" '{"th8":{"rescale_threshold":8.0},"th8nb":{"rescale_threshold":8.0,"rescale_before_pv":false},"th8p40":{"rescale_threshold":8.0,"pin_softmax":40},"th8all":{"rescale_threshold":8.0,"pin_softmax":true}}' fused serial_fa4_nccl ;;
+    fathres)
+      # The fused residual with and without rescale_threshold: the default (threshold 8) FA-only and fused
+      # beside threshold 0 FA-only and fused, and the fused kernel storing to its own buffer (the self-store
+      # control: what NVLink adds), 16K/32K, 8 rounds, 32 adjacent pairs each, no FA4
+      pair_diag fa_thres fathres "16384 32768" '{"th0":{"rescale_threshold":0.0},"fth0":{"mode":"piggyback","rescale_threshold":0.0},"fself":{"mode":"piggyback","self_store":true}}' fa4 serial_fa4_nccl ;;
     fasplit64)
       # the split tail at M = 64K (12 heads/rank: k = 9, one launch's quartiles spanned -26..+318 us at a4eba34)
       # against the unsplit kernel and FA4, FA-only, 8 rounds, 32 adjacent pairs each
