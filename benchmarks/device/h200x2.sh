@@ -162,6 +162,11 @@ for stage in $stages; do
       # beside threshold 0 FA-only and fused, and the fused kernel storing to its own buffer (the self-store
       # control: what NVLink adds), 16K/32K, 8 rounds, 32 adjacent pairs each, no FA4
       pair_diag fa_thres fathres "16384 32768" '{"th0":{"rescale_threshold":0.0},"fth0":{"mode":"piggyback","rescale_threshold":0.0},"fself":{"mode":"piggyback","self_store":true}}' fa4 serial_fa4_nccl ;;
+    fathparts)
+      # With rescale_threshold=8 the fused residual stays with the self-store control (fa_thres_06b4d0d): the
+      # protocol's parts priced beside it, no flags at all (nosig), no ready wait (done), polls backed off
+      # 256 ns (poll256), the self-store control without flags (selfnosig), 16K/32K, 32 pairs each, no FA4
+      pair_diag fa_thparts fathparts "16384 32768" '{"nosig":{"mode":"piggyback","signal":false},"done":{"mode":"piggyback","signal":"done"},"poll256":{"mode":"piggyback","ready_poll_ns":256},"selfnosig":{"mode":"piggyback","self_store":true,"signal":false}}' fa4 serial_fa4_nccl ;;
     fasplit64)
       # the split tail at M = 64K (12 heads/rank: k = 9, one launch's quartiles spanned -26..+318 us at a4eba34)
       # against the unsplit kernel and FA4, FA-only, 8 rounds, 32 adjacent pairs each
