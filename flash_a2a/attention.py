@@ -162,7 +162,7 @@ class FlashAttentionA2AForward:
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
                  tail_split: bool = False, walk: str = "all", turn_destinations: bool = False,
-                 cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 8.0, code_pad: int = 0):
+                 cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 8.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -296,9 +296,6 @@ class FlashAttentionA2AForward:
         # of a warp changes: its 64 O-rescale multiplies are skipped. 0: the max follows every block. 8.0
         # measured 2.5-3.2% faster than 0 on H200 at 3/12 heads, 16K/32K (flash_a2a_variants/fa_th_8b972ce.json);
         # off by default until its fused and split-tail paths have run on the GPU.
-        if not (isinstance(code_pad, int) and 0 <= code_pad <= 64):
-            raise ValueError(f"code_pad must be an int in 0..64, got {code_pad!r}")
-        self.code_pad = code_pad
         if not (isinstance(rescale_threshold, (int, float)) and 0.0 <= rescale_threshold <= 16.0):
             raise ValueError(f"rescale_threshold must be a number in [0, 16], got {rescale_threshold!r}")
         self.rescale_threshold = float(rescale_threshold) if overlap else 0.0  # the plain loop rescales each block
@@ -600,8 +597,6 @@ class FlashAttentionA2AForward:
                               n_kv, n_mb_per_rank, h_loc, rank, world, bidx, grid, tail_k)
         else:
             cute.arch.setmaxregister_increase(240)
-            for _ in cutlass.range_constexpr(self.code_pad):
-                nanosleep(0)
             self.consumer(mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, tma_os, gO_tmas,
                           sQ, sK, sV,
                           sO, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world,

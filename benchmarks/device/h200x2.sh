@@ -167,11 +167,6 @@ for stage in $stages; do
       # protocol's parts priced beside it, no flags at all (nosig), no ready wait (done), polls backed off
       # 256 ns (poll256), the self-store control without flags (selfnosig), 16K/32K, 32 pairs each, no FA4
       pair_diag fa_thparts fathparts "16384 32768" '{"nosig":{"mode":"piggyback","signal":false},"done":{"mode":"piggyback","signal":"done"},"poll256":{"mode":"piggyback","ready_poll_ns":256},"selfnosig":{"mode":"piggyback","self_store":true,"signal":false}}' fa4 serial_fa4_nccl ;;
-    faalign)
-      # The KV loop's code alignment (code_pad nanosleeps ahead of the MMA warpgroups' code shift it): the local
-      # kernel's loop head and skip target sit 16 B into a 128 B line, the fused kernel's 80. FA-only moved to
-      # 80 (l1) and 0 (l4), fused moved to 16 (p4) and 0 (p3), beside the defaults, 16K/32K, 32 pairs, no FA4
-      pair_diag fa_align faalign "16384 32768" '{"l1":{"code_pad":1},"l4":{"code_pad":4},"p4":{"mode":"piggyback","code_pad":4},"p3":{"mode":"piggyback","code_pad":3}}' fa4 serial_fa4_nccl ;;
     fasplit64)
       # the split tail at M = 64K (12 heads/rank: k = 9, one launch's quartiles spanned -26..+318 us at a4eba34)
       # against the unsplit kernel and FA4, FA-only, 8 rounds, 32 adjacent pairs each
