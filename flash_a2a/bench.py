@@ -50,7 +50,8 @@ def add_arguments(p) -> None:
     p.add_argument("--variants", type=json.loads, default={}, metavar="JSON",
                    help='extra columns, as {"name": {mainloop knobs}}: fa_ours_<name> (FA-only, in the fused tile '
                         'order), or fused_<name> where the knobs hold a "mode", e.g. '
-                        '\'{"pin48": {"pin_softmax": 48}, "pb31": {"mode": "piggyback", "pin_softmax": 31}}\'')
+                        '\'{"pin48": {"pin_softmax": 48}, "pb31": {"mode": "piggyback", "pin_softmax": 31}}\'; an '
+                        'FA-only column with "out": "symmetric" stores into the fused op\'s symmetric buffer')
     p.add_argument("--replot", metavar="JSON", default=None,
                    help="recompute the model columns of a saved result and redraw its figure (no GPU)")
     p.add_argument("--table", metavar="JSON", default=None,
@@ -324,9 +325,11 @@ def _run(rank, world, args):
             for name, knobs in args.variants.items():
                 if "mode" in knobs:  # a fused column (sender-side, like ``fused``)
                     cols["fused_" + name] = (lambda kn: lambda: fused.launch(q, k, v, wait=False, **kn))(knobs)
-                else:
-                    cols["fa_ours_" + name] = (lambda kn: lambda: flash_attention(
-                        q, k, v, out=o_ours, **{**fused_order, **kn}))(knobs)
+                else:  # an FA-only column; "out": "symmetric" stores into the fused op's symmetric buffer
+                    kn = {n: x for n, x in knobs.items() if n != "out"}
+                    out = fused.state(q).out.view(q.shape) if knobs.get("out") == "symmetric" else o_ours
+                    cols["fa_ours_" + name] = (lambda kn, out: lambda: flash_attention(
+                        q, k, v, out=out, **{**fused_order, **kn}))(kn, out)
             if "fa4" in base:
                 cols["fa4"] = lambda: base["fa4"](q, k, v)
                 cols["serial_fa4_nccl"] = lambda: nccl_post_a2a(base["fa4"](q, k, v))

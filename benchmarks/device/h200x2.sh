@@ -167,6 +167,11 @@ for stage in $stages; do
       # protocol's parts priced beside it, no flags at all (nosig), no ready wait (done), polls backed off
       # 256 ns (poll256), the self-store control without flags (selfnosig), 16K/32K, 32 pairs each, no FA4
       pair_diag fa_thparts fathparts "16384 32768" '{"nosig":{"mode":"piggyback","signal":false},"done":{"mode":"piggyback","signal":"done"},"poll256":{"mode":"piggyback","ready_poll_ns":256},"selfnosig":{"mode":"piggyback","self_store":true,"signal":false}}' fa4 serial_fa4_nccl ;;
+    fasymm)
+      # With rescale_threshold=8 the fused residual (~1.6% of T_FA) stays without NVLink and without flags
+      # (fa_thparts_99eed69) and with the KV loop moved in the code (a319365, fa_align): FA-only storing into the
+      # fused op's symmetric buffer (the destination memory alone), beside the defaults, 16K/32K, 32 pairs
+      pair_diag fa_symm fasymm "16384 32768" '{"symm":{"out":"symmetric"},"selfnosig":{"mode":"piggyback","self_store":true,"signal":false}}' fa4 serial_fa4_nccl ;;
     fasplit64)
       # the split tail at M = 64K (12 heads/rank: k = 9, one launch's quartiles spanned -26..+318 us at a4eba34)
       # against the unsplit kernel and FA4, FA-only, 8 rounds, 32 adjacent pairs each
