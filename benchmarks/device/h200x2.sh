@@ -172,6 +172,10 @@ for stage in $stages; do
       # (fa_thparts_99eed69) and with the KV loop moved in the code (a319365, fa_align): FA-only storing into the
       # fused op's symmetric buffer (the destination memory alone), beside the defaults, 16K/32K, 32 pairs
       pair_diag fa_symm fasymm "16384 32768" '{"symm":{"out":"symmetric"},"selfnosig":{"mode":"piggyback","self_store":true,"signal":false}}' fa4 serial_fa4_nccl ;;
+    fathp40)
+      # rescale_threshold=8 with pin 40 was the fastest FA-only in fa_thtune_7167ecc (-0.7..-1.1%): FA-only and
+      # fused with it beside the defaults and FA4, 16K/32K, 8 rounds, 32 adjacent pairs each
+      pair_diag fa_thp40 fathp40 "16384 32768" '{"p40":{"pin_softmax":40},"fp40":{"mode":"piggyback","pin_softmax":40}}' serial_fa4_nccl ;;
     fasplit64)
       # the split tail at M = 64K (12 heads/rank: k = 9, one launch's quartiles spanned -26..+318 us at a4eba34)
       # against the unsplit kernel and FA4, FA-only, 8 rounds, 32 adjacent pairs each
