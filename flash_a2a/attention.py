@@ -291,11 +291,11 @@ class FlashAttentionA2AForward:
             raise ValueError("tile_n=160 is built for head_dim=128, store='st', q_stages=1, no smem_pad_kib and the "
                              "overlapped mainloop")
         self.tile_n = tile_n
-        # rescale_threshold (FA4's SM100 trick, a measured alternative): a row keeps its running max unless a
-        # block raises it by more than this many powers of two, so P < 2^threshold and in most blocks no row
-        # of a warp changes: its 64 O-rescale multiplies are skipped. 0: the max follows every block. 8.0
-        # measured 2.5-3.2% faster than 0 on H200 at 3/12 heads, 16K/32K (flash_a2a_variants/fa_th_8b972ce.json);
-        # off by default until its fused and split-tail paths have run on the GPU.
+        # rescale_threshold (FA4's SM100 trick; 8.0, the default since ea6408f): a row keeps its running max
+        # unless a block raises it by more than this many powers of two, so P < 2^threshold and in most blocks
+        # no row of a warp changes: its 64 O-rescale multiplies are skipped. 0: the max follows every block.
+        # 8.0 measured 2.5-3.2% faster than 0 on H200 at 3/12 heads, 16K/32K (flash_a2a_variants/
+        # fa_th_8b972ce.json); the full run at ea6408f (flash_a2a.json) has it ahead of FA4 at every shape.
         if not (isinstance(rescale_threshold, (int, float)) and 0.0 <= rescale_threshold <= 16.0):
             raise ValueError(f"rescale_threshold must be a number in [0, 16], got {rescale_threshold!r}")
         self.rescale_threshold = float(rescale_threshold) if overlap else 0.0  # the plain loop rescales each block
@@ -368,7 +368,7 @@ class FlashAttentionA2AForward:
         # lag_v: producer order K[n+1] before V[n] (the overlapped consumer's order, as FA3/FA4 load; only with
         # overlap). sync_first_block: also ping-pong the first (S-only) GEMM of a tile (FA3/FA4 leave it free).
         # The defaults (K[n], V[n] paired; first GEMM ping-ponged) measured 0.5-1% faster on H200 at M = 8K
-        # side by side (benchmarks/results/h200x2/flash_a2a.json, column fa_ours_lag_v).
+        # side by side (benchmarks/results/h200x2/flash_a2a_run_48d1e66.json, column fa_ours_lag_v).
         self.lag_v = lag_v and overlap
         self.sync_first_block = sync_first_block
         # pin_softmax: keep exponentials ahead of the PV wait in the SASS (see q_loop_overlapped). An int n pins

@@ -251,7 +251,7 @@ def unit_work(u, full, k, n_kv):
 # A chunk's KV blocks run slower than a whole tile's (the split kernel's KV loop is ptxas's 61-exponential
 # schedule, and each chunk refills the K/V pipeline), and each chunk round pays a fixed part (the Q load, the
 # fenced partial and count, the combining CTA's reads and the tile's store, the second launch). Fitted to the
-# split-against-unsplit pairs of the full 2 x H200 run at 6c95827 (benchmarks/results/h200x2/flash_a2a.json,
+# split-against-unsplit pairs of the full 2 x H200 run at 6c95827 (benchmarks/results/h200x2/flash_a2a_run_6c95827.json,
 # column fa_ours_nosplit, six shapes with k = 2..11): 1.1 and 6 KV blocks (~9 µs at d = 128) put five of the
 # six within 0.02 tile-times of the measurement (3 heads/8K 0.64 vs 0.65 measured, 3 heads/32K 1.03 vs
 # 0.996, 48K 0.87 vs 0.85, 64K 0.76 vs 0.77, 12 heads/16K 0.83 vs 0.84; 12 heads/32K 0.36 vs 0.50).

@@ -155,7 +155,7 @@ for stage in $stages; do
     fathtune)
       # with rescale_threshold=8: the O rescale after the PV wait (rescale_before_pv=False: 58 of 66
       # exponentials ahead of the PV wait), pin 40 (52), every exponential pinned (66), against the threshold
-      # alone (51) and FA4, 16K/32K, 8 rounds, 32 adjacent pairs each (not yet run)
+      # alone (51) and FA4, 16K/32K, 8 rounds, 32 adjacent pairs each (run at 7167ecc: fa_thtune_7167ecc)
       pair_diag fa_thtune fathtune "16384 32768" '{"th8":{"rescale_threshold":8.0},"th8nb":{"rescale_threshold":8.0,"rescale_before_pv":false},"th8p40":{"rescale_threshold":8.0,"pin_softmax":40},"th8all":{"rescale_threshold":8.0,"pin_softmax":true}}' fused serial_fa4_nccl ;;
     fathres)
       # The fused residual with and without rescale_threshold: the default (threshold 8) FA-only and fused
