@@ -156,7 +156,7 @@ class OnlineSoftmax(ParamsBase):
 class FlashAttentionA2AForward:
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", num_stages: int = 2,
                  instrument: bool = False, overlap: bool = True, lag_v: bool = False,
-                 sync_first_block: bool = True, pin_softmax: bool | int | str = "first_row",
+                 sync_first_block: bool = True, pin_softmax: bool | int | str = 40,
                  p_first: bool = False, rescale_before_pv: bool = True, store: str = "st", signal: bool | str = True,
                  n_dst: int = 1, ready_poll_ns: int = 0, pace_kv: int = 1, ready_delay_ns: int = 0,
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
@@ -373,8 +373,10 @@ class FlashAttentionA2AForward:
         self.sync_first_block = sync_first_block
         # pin_softmax: keep exponentials ahead of the PV wait in the SASS (see q_loop_overlapped). An int n pins
         # the first n of the 2 x 32 a thread computes per KV block (row-major); True pins all 64, "first_row"
-        # the first 32: the default, measured fastest of False/32/40/48/56/64 on H200 (3-6% faster than
-        # unpinned; all 64 are 3% slower).
+        # the first 32 (3-6% faster than unpinned on H200, all 64 3% slower; the default until rescale_threshold).
+        # 40, the default: with rescale_threshold=8, 0.7-1.1% faster than "first_row" in FA-only, and the
+        # fused kernel's residual over FA-only falls from ~1.5% of T_FA to 0.15-1.7%
+        # (flash_a2a_variants/fa_thtune_7167ecc.json, fa_thp40_b40d52b.json: 3/12 heads, 16K/32K).
         # (identity checks: True == 1 and False == 0, so a dict or `in` lookup would read pin_softmax=1 as True)
         if pin_softmax is True or pin_softmax is False:
             pin_count = tile_n // 2 if pin_softmax else 0
