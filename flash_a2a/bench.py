@@ -174,6 +174,24 @@ def alternated_excess(first, second, pairs: int, group) -> dict:
     return pair_stats(firsts, seconds)
 
 
+def variant_output_errors(variants: dict, run_fused, run_fa, ref_fused, ref_fa) -> dict:
+    """Max |output − reference| of every ``--variants`` column, so a faster variant that computes something
+    else shows. Fused variants (``run_fused(knobs)``: the completed post-A2A output) against ``ref_fused`` (our
+    default FA-only + the reference All-to-All), FA-only ones (``run_fa(knobs)``) against ``ref_fa``. The
+    controls whose output is not the attention (``self_store``, a ``signal`` other than True: nothing or the
+    wrong rows arrive) are left out; a variant that fails records its error instead of stopping the run."""
+    errors = {}
+    for name, knobs in variants.items():
+        if knobs.get("self_store") or knobs.get("signal", True) is not True:
+            continue
+        try:
+            got, ref = (run_fused(knobs), ref_fused) if "mode" in knobs else (run_fa(knobs), ref_fa)
+            errors[name] = float((got.float() - ref.float()).abs().max())
+        except Exception as e:  # noqa: BLE001 - one bad variant must not hide the rest of the row
+            errors[name] = f"{type(e).__name__}: {e}"[:300]
+    return errors
+
+
 def fused_residual_columns(variants: dict) -> list[str]:
     """The fused columns whose residual over ``fa_ours`` is reported: ``fused`` and every fused variant."""
     return ["fused"] + ["fused_" + name for name, knobs in variants.items() if "mode" in knobs]
@@ -365,6 +383,13 @@ def _run(rank, world, args):
             # correctness of the timed fused output against our local kernel + the NCCL All-to-All
             got = fused.launch(q, k, v, mode="piggyback", wait=True).clone()
             row["fused_exact_vs_serial"] = bool(torch.equal(got, nccl_post_a2a(ref)))
+            if args.variants:  # every variant column's output against the same references
+                row["variant_max_abs_diff"] = variant_output_errors(
+                    args.variants,
+                    lambda kn: fused.launch(q, k, v, wait=True, **kn).clone(),
+                    lambda kn: flash_attention(q, k, v, out=torch.empty_like(q),
+                                               **{**fused_order, **{n: x for n, x in kn.items() if n != "out"}}),
+                    nccl_post_a2a(ref), ref)
             if args.spans:  # one instrumented launch: per-tile store spans, summarized (flash_a2a.spans)
                 from flash_a2a.spans import summarize_ready, summarize_spans
 
@@ -526,8 +551,11 @@ def summary_line(row: dict) -> str:
     """One console line per shape: every timed column (µs) and the exactness check."""
     cols = " ".join(f"{k[:-3]}={v:.1f}" for k, v in row.items()
                     if k.endswith("_us") and isinstance(v, (int, float)) and not k.endswith("E_res_us"))
-    return (f"H/P={row['heads_per_rank']:2d} M={row['seq_len']:6d} {cols} "
+    line = (f"H/P={row['heads_per_rank']:2d} M={row['seq_len']:6d} {cols} "
             f"E_res={row.get('fused_E_res_us')} H={row.get('hiding_ratio')} exact={row.get('fused_exact_vs_serial')}")
+    if "variant_max_abs_diff" in row:
+        line += f" variant_max_abs_diff={row['variant_max_abs_diff']}"
+    return line
 
 
 def _fit_line(xs, ys):

@@ -176,3 +176,31 @@ def test_residual_split_takes_the_controls_apart():
     assert split["ready wait"] == pytest.approx(ready) and split["completion fence"] == pytest.approx(fence)
     assert split["data flags"] == pytest.approx(flags - ready - fence)
     assert residual_split({"fused_E_res_us": 1.0}) == {"total": 1.0}  # no controls: nothing to split
+
+
+def test_variant_output_errors_check_every_real_variant_and_skip_the_controls():
+    """Each --variants column's output against its reference (fused against the post-A2A reference,
+    FA-only against ours), controls without the attention's output left out, a failing variant recorded."""
+    import torch
+
+    from flash_a2a.bench import summary_line, variant_output_errors
+
+    ref_fa, ref_fused = torch.randn(1, 64, 2, 8), torch.randn(1, 32, 4, 8)
+    off = 0.25 + torch.rand(()).item()
+    variants = {"pin40": {"pin_softmax": 40}, "fpin40": {"mode": "piggyback", "pin_softmax": 40},
+                "self": {"mode": "piggyback", "self_store": True}, "nosig": {"mode": "piggyback", "signal": False},
+                "bad": {"mode": "piggyback", "tile_n": 96}}
+
+    def run_fused(kn):
+        if kn.get("tile_n") == 96:
+            raise ValueError("tile_n must be 128 or 160")
+        out = ref_fused.clone()
+        out[0, 3, 1, 2] += off
+        return out
+
+    errors = variant_output_errors(variants, run_fused, lambda kn: ref_fa.clone(), ref_fused, ref_fa)
+    assert set(errors) == {"pin40", "fpin40", "bad"}, errors
+    assert errors["pin40"] == 0.0 and abs(errors["fpin40"] - off) < 1e-6
+    assert errors["bad"].startswith("ValueError") and "tile_n" in errors["bad"]
+    row = {"heads_per_rank": 3, "seq_len": 8192, "fa_ours_us": 150.0, "variant_max_abs_diff": errors}
+    assert "variant_max_abs_diff=" in summary_line(row)
