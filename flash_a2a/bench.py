@@ -66,6 +66,9 @@ def add_arguments(p) -> None:
                    help="adjacent-launch pairs per residual for long kernels (0: off)")
     p.add_argument("--alternate-min-us", type=float, default=500.0,
                    help="FA-only time from which residuals come from adjacent launches")
+    p.add_argument("--pair-launch", choices=("graph", "eager"), default="graph",
+                   help="how each launch of a pair is made: a one-call CUDA graph's replay (the default: no host "
+                        "launch cost in the timed span) or the eager call (before 2026-11-30)")
 
 
 def _capture(fn, calls, group):
@@ -190,6 +193,19 @@ def variant_output_errors(variants: dict, run_fused, run_fa, ref_fused, ref_fa) 
         except Exception as e:  # noqa: BLE001 - one bad variant must not hide the rest of the row
             errors[name] = f"{type(e).__name__}: {e}"[:300]
     return errors
+
+
+def pair_launchers(fns: dict, how: str, capture) -> tuple[dict, dict]:
+    """The launch of each paired column: with ``how="graph"`` the replay of a one-call CUDA graph
+    (``capture(fn)`` -> (graph or None, kind)), so a pair's events time the GPU and not the host's launch path
+    (FA4's Python launch once took longer than its 188 µs kernel and its pairs measured 334 µs, at ea6408f);
+    a column whose capture fails, or every column with ``how="eager"``, is called directly. Returns the
+    launchers and how each is launched."""
+    launch, kinds = {}, {}
+    for name, fn in fns.items():
+        graph, kind = capture(fn) if how == "graph" else (None, "eager")
+        launch[name], kinds[name] = (graph.replay, "graph") if graph is not None else (fn, kind)
+    return launch, kinds
 
 
 def fused_residual_columns(variants: dict) -> list[str]:
@@ -373,8 +389,12 @@ def _run(rank, world, args):
                 pairs.update({f"{c}_minus_fa_ours": ("fa_ours", c) for c in fused_residual_columns(args.variants)})
                 pairs.update({f"fa_ours_{n}_minus_fa_ours": ("fa_ours", f"fa_ours_{n}")  # FA-only variants
                               for n, kn in args.variants.items() if "mode" not in kn})
-                row["alternated"] = {key: alternated_excess(cols[a], cols[b], args.alternate_pairs, None)
+                used = sorted({c for a, b in pairs.values() if a in captured and b in captured for c in (a, b)})
+                launch, row["pair_launch"] = pair_launchers({c: cols[c] for c in used}, args.pair_launch,
+                                                            lambda fn: _capture(fn, 1, None))
+                row["alternated"] = {key: alternated_excess(launch[a], launch[b], args.alternate_pairs, None)
                                      for key, (a, b) in pairs.items() if a in captured and b in captured}
+                del launch
             fused.settle(q)  # remote visibility of the sender-side fused runs, once after all replays
             torch.cuda.synchronize()
             del captured
@@ -481,10 +501,12 @@ def _write(rows, base, args) -> None:
                      "then the median over trials; E_res and the serial excess are medians of within-round "
                      "differences, or for "
                      "T_FA >= alternate_min_us of alternate_pairs aligned pairs of adjacent launches in "
-                     "alternating order; sender-side boundary for fused/fused_cc (settled once after the "
+                     "alternating order (each launch a one-call graph's replay unless pair_launch says "
+                     "otherwise); sender-side boundary for fused/fused_cc (settled once after the "
                      "replays)",
            "calls_per_graph": args.calls_per_graph, "replays": args.replays, "skipped": list(args.skip),
-           "alternate_pairs": args.alternate_pairs, "alternate_min_us": args.alternate_min_us}
+           "alternate_pairs": args.alternate_pairs, "alternate_min_us": args.alternate_min_us,
+           "pair_launch": args.pair_launch}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -204,3 +204,32 @@ def test_variant_output_errors_check_every_real_variant_and_skip_the_controls():
     assert errors["bad"].startswith("ValueError") and "tile_n" in errors["bad"]
     row = {"heads_per_rank": 3, "seq_len": 8192, "fa_ours_us": 150.0, "variant_max_abs_diff": errors}
     assert "variant_max_abs_diff=" in summary_line(row)
+
+
+def test_pair_launchers_replay_one_call_graphs_and_fall_back_per_column():
+    """Paired columns launch as one-call graph replays; a column whose capture fails is called directly, and
+    "eager" captures nothing."""
+    from flash_a2a.bench import pair_launchers
+
+    calls = []
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            calls.append(("replay", self.name))
+
+    def capture(fn):
+        name = fn()
+        return (None, "eager (RuntimeError)") if name == "nccl" else (Graph(name), "graph")
+
+    fns = {name: (lambda name=name: calls.append(("call", name)) or name) for name in ("fa_ours", "fused", "nccl")}
+    launch, kinds = pair_launchers(fns, "graph", capture)
+    assert kinds == {"fa_ours": "graph", "fused": "graph", "nccl": "eager (RuntimeError)"}
+    calls.clear()
+    for name in ("fused", "nccl", "fa_ours"):
+        launch[name]()
+    assert calls == [("replay", "fused"), ("call", "nccl"), ("replay", "fa_ours")]
+    launch, kinds = pair_launchers(fns, "eager", lambda fn: (_ for _ in ()).throw(AssertionError("captured")))
+    assert set(kinds.values()) == {"eager"} and launch["fused"] is fns["fused"]
