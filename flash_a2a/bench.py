@@ -177,6 +177,11 @@ def alternated_excess(first, second, pairs: int, group) -> dict:
     return pair_stats(firsts, seconds)
 
 
+def kernel_knobs(knobs: dict) -> dict:
+    """A ``--variants`` knob set without the benchmark's own keys (``"out"``): what the kernel is built with."""
+    return {n: x for n, x in knobs.items() if n != "out"}
+
+
 def variant_output_errors(variants: dict, run_fused, run_fa, ref_fused, ref_fa) -> dict:
     """Max |output − reference| of every ``--variants`` column, so a faster variant that computes something
     else shows. Fused variants (``run_fused(knobs)``: the completed post-A2A output) against ``ref_fused`` (our
@@ -360,10 +365,9 @@ def _run(rank, world, args):
                 if "mode" in knobs:  # a fused column (sender-side, like ``fused``)
                     cols["fused_" + name] = (lambda kn: lambda: fused.launch(q, k, v, wait=False, **kn))(knobs)
                 else:  # an FA-only column; "out": "symmetric" stores into the fused op's symmetric buffer
-                    kn = {n: x for n, x in knobs.items() if n != "out"}
                     out = fused.state(q).out.view(q.shape) if knobs.get("out") == "symmetric" else o_ours
                     cols["fa_ours_" + name] = (lambda kn, out: lambda: flash_attention(
-                        q, k, v, out=out, **{**fused_order, **kn}))(kn, out)
+                        q, k, v, out=out, **{**fused_order, **kn}))(kernel_knobs(knobs), out)
             if "fa4" in base:
                 cols["fa4"] = lambda: base["fa4"](q, k, v)
                 cols["serial_fa4_nccl"] = lambda: nccl_post_a2a(base["fa4"](q, k, v))
@@ -389,11 +393,12 @@ def _run(rank, world, args):
                 pairs.update({f"{c}_minus_fa_ours": ("fa_ours", c) for c in fused_residual_columns(args.variants)})
                 pairs.update({f"fa_ours_{n}_minus_fa_ours": ("fa_ours", f"fa_ours_{n}")  # FA-only variants
                               for n, kn in args.variants.items() if "mode" not in kn})
-                used = sorted({c for a, b in pairs.values() if a in captured and b in captured for c in (a, b)})
+                pairs = {key: ab for key, ab in pairs.items() if all(c in captured for c in ab)}
+                used = sorted({c for ab in pairs.values() for c in ab})  # the same capture order on every rank
                 launch, row["pair_launch"] = pair_launchers({c: cols[c] for c in used}, args.pair_launch,
                                                             lambda fn: _capture(fn, 1, None))
                 row["alternated"] = {key: alternated_excess(launch[a], launch[b], args.alternate_pairs, None)
-                                     for key, (a, b) in pairs.items() if a in captured and b in captured}
+                                     for key, (a, b) in pairs.items()}
                 del launch
             fused.settle(q)  # remote visibility of the sender-side fused runs, once after all replays
             torch.cuda.synchronize()
@@ -407,8 +412,7 @@ def _run(rank, world, args):
                 row["variant_max_abs_diff"] = variant_output_errors(
                     args.variants,
                     lambda kn: fused.launch(q, k, v, wait=True, **kn).clone(),
-                    lambda kn: flash_attention(q, k, v, out=torch.empty_like(q),
-                                               **{**fused_order, **{n: x for n, x in kn.items() if n != "out"}}),
+                    lambda kn: flash_attention(q, k, v, out=torch.empty_like(q), **{**fused_order, **kernel_knobs(kn)}),
                     nccl_post_a2a(ref), ref)
             if args.spans:  # one instrumented launch: per-tile store spans, summarized (flash_a2a.spans)
                 from flash_a2a.spans import summarize_ready, summarize_spans
