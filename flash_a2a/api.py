@@ -158,7 +158,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
             _scale(softmax_scale, d), tile_order_rank, tile_order_world, grid, DEFAULT_TIMEOUT_NS)
     if plan == "launch":  # the whole rounds, then the last round's chunks (programmatic dependent launch)
         _kernel(q.dtype, d, "local", False, overlap, walk="rounds", **variant)(*args, dm.i64, *rest)
-        _kernel(q.dtype, d, "local", False, overlap, walk="tail", tail_split=True, **_unclustered(variant))(
+        _kernel(q.dtype, d, "local", False, overlap, walk="tail", tail_split=True, **_tail_knobs(variant))(
             *args, _tail_split_args(q.device, n_tiles, grid, n_kv), *rest)
         return out
     out_ptrs = dm.i64
@@ -181,7 +181,8 @@ def _split_plan(variant: dict, knobs: dict, n_tiles: int, grid: int, n_kv: int, 
     if not plan:
         return False, rest
     # cluster_kv applies to the rounds kernel of a "launch" split only (_check_cluster), not to the split kernel
-    why = "persistent=False" if not persistent else _split_refusal(tuple(sorted(_unclustered(knobs).items())))
+    split_knobs = _tail_knobs(knobs) if plan == "launch" else _unclustered(knobs)
+    why = "persistent=False" if not persistent else _split_refusal(tuple(sorted(split_knobs.items())))
     if why is not None:
         if option == "auto":
             return False, rest
@@ -203,6 +204,17 @@ def _kv_blocks(s: int, variant: dict) -> int:
 def _unclustered(knobs: dict) -> dict:
     """The knobs without ``cluster_kv``: the split tail's launch runs unclustered (its CTAs' chunks differ)."""
     return {k: v for k, v in knobs.items() if k != "cluster_kv"}
+
+
+def _tail_knobs(knobs: dict) -> dict:
+    """The tail launch's knobs (tail_split="launch"): unclustered, and with the burst epilogue where the
+    rounds kernel paces its stores: the tail's tiles are all local (mapping.launch_split), so pacing them
+    under a next tile, which a chunk does not have, would save nothing."""
+    knobs = _unclustered(knobs)
+    if knobs.get("store") == "paced":
+        knobs = {k: v for k, v in knobs.items() if k not in ("pace_kv", "peel_drip")}
+        knobs["store"] = "st"
+    return knobs
 
 
 def _check_cluster(variant: dict, plan, n_tiles: int, grid: int, world: int, rank: int, n_mb_per_rank: int,
@@ -330,7 +342,7 @@ class FusedAttentionA2A:
             _kernel(q.dtype, d, mode, False, n_dst=self.world, walk="rounds", **walk)(
                 q, k, v, q, out_ptrs, *rest)
             _kernel(q.dtype, d, mode, False, n_dst=self.world, walk="tail", tail_split=True,
-                    **{**_unclustered(walk), "signal": tail_signal})(q, k, v, q, split_ptrs, *rest)
+                    **{**_tail_knobs(walk), "signal": tail_signal})(q, k, v, q, split_ptrs, *rest)
         else:
             if plan == "kernel":
                 walk, out_ptrs = {**walk, "tail_split": True}, split_ptrs

@@ -315,6 +315,12 @@ def test_split_plan_falls_back_or_refuses_where_the_split_kernel_does_not_go():
                                                                                               {"pin_softmax": 34})
     assert _split_plan({"tail_split": True}, base, 192, 132, 64, 1) == ("kernel", {})
     assert _split_plan({}, base, 264, 132, 64, 1) == (False, {})
+    # paced stores (the fused kernel's rounds) take the launch split: its tail launch stores locally, in bursts
+    paced = {"head_dim": 128, "mode": "piggyback", "n_dst": 2, "store": "paced", "pace_kv": 2}
+    assert _split_plan({"store": "paced", "pace_kv": 2}, paced, 192, 132, 64, 2) == (
+        "launch", {"store": "paced", "pace_kv": 2})
+    with pytest.raises(ValueError, match="tail_split"):
+        _split_plan({"tail_split": True}, paced, 192, 132, 64, 2)
     for knobs, persistent in (({"store": "tma"}, True), ({"instrument": True}, True), ({"head_dim": 64}, True),
                               ({}, False)):
         assert _split_plan({}, {**base, **knobs}, 192, 132, 64, 1, persistent) == (False, {})
