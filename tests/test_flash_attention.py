@@ -696,6 +696,18 @@ def _tail_split_worker(rank, world, init_file, path):
             fused.check()
             assert torch.equal(got.cpu(), ref), (mode, "cluster_kv")
             checked += 1
+        # store="paced": the rounds kernel paces its peer stores, the tail launch stores its local chunks in
+        # bursts (api._tail_knobs); the same bits as the split (192 tiles: one round, then the chunks; 576)
+        for knobs in ({"store": "paced", "pace_kv": 2}, {"store": "paced", "peel_drip": True}):
+            for shape in ((2, 4096, 3, 128), (2, 4096, 9, 128)):
+                q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
+                ref = _post_a2a_reference(q, k, v, rank, world, tail_split="launch")
+                fused.state(q).out.fill_(float("nan"))
+                got = fused(q, k, v, mode="piggyback", **knobs)
+                torch.cuda.synchronize()
+                fused.check()
+                assert torch.equal(got.cpu(), ref), (shape, knobs)
+                checked += 1
         # The default (two launches at 192 tiles) in a CUDA Graph, replayed with fresh inputs.
         checked += _check_graph_replays(fused, (2, 4096, 3, 128), rank, world)
         with open(f"{path}.{rank}", "w") as f:
@@ -705,7 +717,7 @@ def _tail_split_worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_tail_split_matches_local_split_plus_reference_a2a(tmp_path):
     for res in run_ranks(_tail_split_worker, tmp_path):
-        assert res["checked"] == 3 * 12 + 2 + 3
+        assert res["checked"] == 3 * 12 + 2 + 4 + 3
 
 
 def test_cluster_kv_compiles_with_multicast_and_refuses_what_it_does_not_pair(tmp_path):
