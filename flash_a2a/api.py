@@ -211,9 +211,8 @@ def _tail_knobs(knobs: dict) -> dict:
     rounds kernel paces its stores: the tail's tiles are all local (mapping.launch_split), so pacing them
     under a next tile, which a chunk does not have, would save nothing."""
     knobs = _unclustered(knobs)
-    if knobs.get("store") == "paced":
-        knobs = {k: v for k, v in knobs.items() if k not in ("pace_kv", "peel_drip")}
-        knobs["store"] = "st"
+    if knobs.get("store") == "paced":  # the default burst ("st"), by the default's own key: one compiled kernel
+        knobs = {k: v for k, v in knobs.items() if k not in ("store", "pace_kv", "peel_drip")}
     return knobs
 
 
@@ -333,21 +332,26 @@ class FusedAttentionA2A:
                 st.extra[key] = (torch.cat([out_ptrs, args[1:]]), work, counts)
             split_ptrs = st.extra[key][0]
         walk = {**FUSED_WALK, **variant}
+        compiled = len(_KERNELS)
         if plan == "launch":
             # The whole rounds (ready gate, every peer tile, no flag), then the local chunks, whose kernel
             # waits for the rounds' completion and raises the flags (FlashAttentionA2AForward's ``walk``).
             signal = variant.get("signal", True)
             tail_signal = False if signal is False else ("done_nofence" if signal in ("nofence", "done_nofence")
                                                          else "done")
-            _kernel(q.dtype, d, mode, False, n_dst=self.world, walk="rounds", **walk)(
-                q, k, v, q, out_ptrs, *rest)
-            _kernel(q.dtype, d, mode, False, n_dst=self.world, walk="tail", tail_split=True,
-                    **{**_tail_knobs(walk), "signal": tail_signal})(q, k, v, q, split_ptrs, *rest)
+            launches = ((_kernel(q.dtype, d, mode, False, n_dst=self.world, walk="rounds", **walk), out_ptrs),
+                        (_kernel(q.dtype, d, mode, False, n_dst=self.world, walk="tail", tail_split=True,
+                                 **{**_tail_knobs(walk), "signal": tail_signal}), split_ptrs))
         else:
             if plan == "kernel":
                 walk, out_ptrs = {**walk, "tail_split": True}, split_ptrs
-            _kernel(q.dtype, d, mode, spans is not None, n_dst=self.world, **walk)(
-                q, k, v, q, out_ptrs, *rest)
+            launches = ((_kernel(q.dtype, d, mode, spans is not None, n_dst=self.world, **walk), out_ptrs),)
+        if len(_KERNELS) != compiled and not torch.cuda.is_current_stream_capturing():
+            # This rank just compiled (seconds, not the same on every rank): start together, so that no
+            # peer's bounded waits (ready gate, data flags: timeout_s) run out while a rank is still compiling.
+            dist.barrier(group=self.group)
+        for kernel, ptrs in launches:
+            kernel(q, k, v, q, ptrs, *rest)
         if wait:
             st.wait(self.world, self.timeout_ns)
         return st.out
