@@ -376,7 +376,8 @@ class FlashAttentionA2AForward:
         # the first 32 (3-6% faster than unpinned on H200, all 64 3% slower; the default until rescale_threshold).
         # 40, the default: with rescale_threshold=8, 0.7-1.1% faster than "first_row" in FA-only, and the
         # fused kernel's residual over FA-only falls from ~1.5% of T_FA to 0.15-1.7%
-        # (flash_a2a_variants/fa_thtune_7167ecc.json, fa_thp40_b40d52b.json: 3/12 heads, 16K/32K).
+        # (flash_a2a_variants/fa_thtune_7167ecc.json, fa_thp40_b40d52b.json: 3/12 heads, 16K/32K); in the full
+        # run as the default (7a73b1b, flash_a2a.json) E_res at most 1.91% of T_FA at every M >= 16K.
         # (identity checks: True == 1 and False == 0, so a dict or `in` lookup would read pin_softmax=1 as True)
         if pin_softmax is True or pin_softmax is False:
             pin_count = tile_n // 2 if pin_softmax else 0

@@ -120,6 +120,12 @@ for stage in $stages; do
       # ahead of the PV wait with the in-loop stores, the nearest to the default's 51), and the self-store control of
       # the burst and the paced epilogue (what NVLink adds to each).
       protocol_diag fused_paced fapaced '{"paced":{"mode":"piggyback","store":"paced"},"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"paced34":{"mode":"piggyback","store":"paced","pin_softmax":34},"paced40":{"mode":"piggyback","store":"paced","pin_softmax":40},"self":{"mode":"piggyback","self_store":true},"self_paced":{"mode":"piggyback","self_store":true,"store":"paced"}}' ;;
+    fapacedsplit)
+      # store="paced" at the pin-40 default, now split like the default where "auto" splits (its tail launch
+      # stores its local chunks in bursts): pace_kv=2, peeled (pace 1 and 2), the self-store controls of the
+      # burst and of pace_kv=2, beside FA-only, fused and FA4, at M = $FADIAG_SEQ (default 8K/16K/32K), 8 rounds,
+      # 32 adjacent pairs per column (run at 53f1f5c: fused_paced_split_53f1f5c)
+      pair_diag fused_paced_split fapacedsplit "8192 16384 32768" '{"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"peel":{"mode":"piggyback","store":"paced","peel_drip":true},"self":{"mode":"piggyback","self_store":true},"self_paced2":{"mode":"piggyback","self_store":true,"store":"paced","pace_kv":2},"peel2":{"mode":"piggyback","store":"paced","peel_drip":true,"pace_kv":2}}' serial_fa4_nccl ;;
     faq2)
       # q_stages=2 (the next tile's Q loaded a tile ahead, so no warpgroup waits for it at a tile boundary)
       # beside the default, FA-only and fused, and FA4, at M = $FADIAG_SEQ, 8 rounds, 32 adjacent pairs each.
