@@ -667,47 +667,36 @@ def _tail_split_worker(rank, world, init_file, path):
         from flash_a2a.api import FusedAttentionA2A
 
         fused = FusedAttentionA2A()
-        checked = 0
 
-        # The split tail: the fused kernel against the local kernel with the same split (each rank's own fused
-        # order, so both split the same last-round tiles in the same chunks) and the reference All-to-All, bit
-        # for bit; 192 tiles (last round of 60 tiles in 2 chunks), 576 (48 in 2, two batches) and 416 (20 in
-        # 6), both modes, one launch (True), two ("launch") and the default ("auto", two launches at all three),
-        # fresh inputs
+        def check(shape, mode, option, **knobs) -> int:
+            """Fresh inputs, poisoned output: the fused split equals the local kernel with the same split (each
+            rank's own fused order, so both split the same last-round tiles in the same chunks) and the
+            reference All-to-All, bit for bit."""
+            q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
+            ref = _post_a2a_reference(q, k, v, rank, world, tail_split=option)
+            fused.state(q).out.fill_(float("nan"))
+            got = fused(q, k, v, mode=mode, tail_split=option, **knobs)
+            torch.cuda.synchronize()
+            fused.check()
+            assert torch.equal(got.cpu(), ref), (shape, mode, option, knobs)
+            return 1
+
+        checked = 0
+        # 192 tiles (last round of 60 tiles in 2 chunks), 576 (48 in 2, two batches) and 416 (20 in 6), both
+        # modes, one launch (True), two ("launch") and the default ("auto", two launches at all three), twice each
         for option in (True, "launch", "auto"):
             for shape in ((2, 4096, 3, 128), (2, 4096, 9, 128), (1, 4096, 13, 128)):
                 for mode in ("piggyback", "completion_coupled"):
-                    for _ in range(2):
-                        q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
-                        ref = _post_a2a_reference(q, k, v, rank, world, tail_split=option)
-                        fused.state(q).out.fill_(float("nan"))
-                        got = fused(q, k, v, mode=mode, tail_split=option)
-                        torch.cuda.synchronize()
-                        fused.check()
-                        assert torch.equal(got.cpu(), ref), (shape, mode, option)
-                        checked += 1
+                    checked += check(shape, mode, option) + check(shape, mode, option)
         # cluster_kv=2: the clustered rounds kernel, then the unclustered chunks, the same bits as the split
         for mode in ("piggyback", "completion_coupled"):
-            q, k, v = (torch.randn(2, 4096, 9, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
-            ref = _post_a2a_reference(q, k, v, rank, world, tail_split="launch")
-            fused.state(q).out.fill_(float("nan"))
-            got = fused(q, k, v, mode=mode, tail_split="launch", cluster_kv=2)
-            torch.cuda.synchronize()
-            fused.check()
-            assert torch.equal(got.cpu(), ref), (mode, "cluster_kv")
-            checked += 1
-        # store="paced": the rounds kernel paces its peer stores, the tail launch stores its local chunks in
-        # bursts (api._tail_knobs); the same bits as the split (192 tiles: one round, then the chunks; 576)
+            checked += check((2, 4096, 9, 128), mode, "launch", cluster_kv=2)
+        # store="paced" with the default split ("auto": two launches here): the rounds kernel paces its peer
+        # stores, the tail launch stores its local chunks in bursts (api._tail_knobs); 192 tiles (one round, then
+        # the chunks) and 576
         for knobs in ({"store": "paced", "pace_kv": 2}, {"store": "paced", "peel_drip": True}):
             for shape in ((2, 4096, 3, 128), (2, 4096, 9, 128)):
-                q, k, v = (torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3))
-                ref = _post_a2a_reference(q, k, v, rank, world, tail_split="launch")
-                fused.state(q).out.fill_(float("nan"))
-                got = fused(q, k, v, mode="piggyback", **knobs)
-                torch.cuda.synchronize()
-                fused.check()
-                assert torch.equal(got.cpu(), ref), (shape, knobs)
-                checked += 1
+                checked += check(shape, "piggyback", "auto", **knobs)
         # The default (two launches at 192 tiles) in a CUDA Graph, replayed with fresh inputs.
         checked += _check_graph_replays(fused, (2, 4096, 3, 128), rank, world)
         with open(f"{path}.{rank}", "w") as f:
