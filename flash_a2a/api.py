@@ -20,7 +20,8 @@ import torch.distributed as dist
 from cute_kernels.runtime import TORCH_TO_CUTLASS, check_error_word
 from flash_a2a.a2a import SymmetricOutput
 from flash_a2a.attention import MODES, PARTIAL_FLOATS, TILE_M, TILE_N, FlashAttentionA2AForward
-from flash_a2a.mapping import check_ulysses_shapes, choose_tail_split, cluster_walk_pairs, resolve_tail_split
+from flash_a2a.mapping import (PACE_KV, check_ulysses_shapes, choose_tail_split, cluster_walk_pairs, paced_store_pays,
+                              resolve_tail_split)
 
 _KERNELS: dict = {}
 DEFAULT_TIMEOUT_NS = 2_000_000_000
@@ -248,6 +249,40 @@ def _split_refusal(knobs: tuple):
     return _REFUSALS[knobs]
 
 
+def _store_choice(variant: dict, knobs: dict, plan, n_tiles: int, grid: int, n_kv: int) -> dict:
+    """The fused variant with its ``store`` knob decided: "auto" (the default) takes the paced epilogue
+    (store="paced", pace_kv=mapping.PACE_KV unless given) where ``mapping.paced_store_pays`` for this walk and
+    the paced kernel takes the other knobs, else the burst (the default kernel's own key: no ``store``).
+    An explicit store is kept as given."""
+    store = variant.get("store", "auto")
+    if store != "auto":
+        return variant
+    rest = {k: v for k, v in variant.items() if k != "store"}
+    if knobs.get("mode") != "piggyback" or not paced_store_pays(n_tiles, grid, n_kv, plan):
+        return rest
+    paced = {"store": "paced", "pace_kv": rest.get("pace_kv", PACE_KV)}
+    trial = {**{k: v for k, v in knobs.items() if k != "store"}, **paced}
+    trial.pop("tail_split", None)
+    trial.update({"tail_split": True} if plan == "kernel" else {"walk": "rounds"} if plan == "launch" else {})
+    if _paced_refusal(tuple(sorted(trial.items()))) is not None:
+        return rest
+    return {**rest, **paced}
+
+
+_PACED: dict = {}
+
+
+def _paced_refusal(knobs: tuple):
+    """Why the fused kernel with these (paced) knobs cannot be built (its ValueError), or None; once per set."""
+    if knobs not in _PACED:
+        try:
+            FlashAttentionA2AForward(**dict(knobs))
+            _PACED[knobs] = None
+        except (ValueError, TypeError) as e:
+            _PACED[knobs] = str(e)
+    return _PACED[knobs]
+
+
 _TAIL_ARGS: dict = {}
 
 
@@ -300,7 +335,9 @@ class FusedAttentionA2A:
         ``signal`` other than True (controls too, with ``wait=False``): the kernel without the flag protocol
         (False) or with a part of it left out ("nofence", "done", "done_nofence"; see ``FlashAttentionA2AForward``).
         ``tail_split`` as in ``flash_attention`` ("auto" by default); with "launch" the rounds kernel sends every
-        peer tile and the tail kernel (local tiles only) raises the flags once the rounds kernel is complete."""
+        peer tile and the tail kernel (local tiles only) raises the flags once the rounds kernel is complete.
+        ``store``: "auto" (the default) paces the peer stores over the next tile's Q-loop where that pays
+        (``mapping.paced_store_pays``: short kernels with at least two tiles per CTA), else the burst ("st")."""
         if mode not in MODES[1:]:
             raise ValueError(f"mode must be 'piggyback' or 'completion_coupled', got {mode!r}")
         if variant.get("signal", True) is not True and wait:
@@ -308,6 +345,8 @@ class FusedAttentionA2A:
                              "safely: pass wait=False")
         check_qkv(q, k, v, self.world)
         check_ulysses_shapes(q.shape[1], q.shape[2] * self.world, self.world, TILE_M)
+        if variant.get("store") == "auto":  # the default, decided per walk below (_store_choice)
+            variant = {k: v for k, v in variant.items() if k != "store"}
         st = self.state(q)
         b, s, h_loc, d = q.shape
         n_tiles = (s // TILE_M) * h_loc * b
@@ -321,6 +360,7 @@ class FusedAttentionA2A:
         plan, variant = _split_plan(variant, knobs, n_tiles, grid, n_kv, self.world)
         if plan and n_tiles < grid:  # one round: every CTA's first tile carries the ready gate; nothing split
             plan = False
+        variant = _store_choice(variant, knobs, plan, n_tiles, grid, n_kv)
         _check_cluster(variant, plan, n_tiles, grid, self.world, self.rank, s // self.world // TILE_M, h_loc)
         dsts = (st.out,) * self.world if self_store else st.peer_outs  # tensor maps of store="tma"
         rest = (st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors, spans if spans is not None else dm.spans,

@@ -177,14 +177,15 @@ class FlashAttentionA2AForward:
         # on; the row buffer is then unswizzled and padded (conflict-free stmatrix, contiguous rows); "tma":
         # one thread issues a TMA tensor store of the whole 64-row half from the swizzled buffer (FA3/FA4's
         # epilogue), through one tensor map per destination (``n_dst`` of them: 1 local, P fused), so no
-        # register holds output data once the store is issued; "paced" (piggyback, overlapped mainloop; a
-        # measured alternative, not the default): the rows wait in sO and leave as "st" does, one 16 B vector
-        # per thread every ``pace_kv`` KV blocks of the warpgroup's next tile, issued under its GEMMs, the rest
-        # (and the CTA's last tile) at the next epilogue, so a tile boundary injects 2 KiB per warpgroup per
-        # KV block instead of a 16 KiB burst. On 2 x H200 that removes what NVLink adds to the fused residual
-        # (fused - self-store control: 0.2-0.4 µs against 3.6-10 µs at M = 8K/16K), but the Q-loop's code moves
-        # ptxas's schedule (61 of 66 exponentials ahead of the PV wait, not 51) and costs the mainloop 2-3%,
-        # more than it saves (flash_a2a_variants/fused_paced_ccab14f.json). Halving the burst at the boundary
+        # register holds output data once the store is issued; "paced" (piggyback, overlapped mainloop; the
+        # API's store="auto" takes it with pace_kv=2 in short kernels, mapping.paced_store_pays): the rows wait
+        # in sO and leave as "st" does, one 16 B vector per thread every ``pace_kv`` KV blocks of the
+        # warpgroup's next tile, issued under its GEMMs, the rest (and the CTA's last tile) at the next
+        # epilogue, so a tile boundary injects 2 KiB per warpgroup per KV block instead of a 16 KiB burst. On
+        # 2 x H200 that removes what NVLink adds to the fused residual (fused - self-store control: 0.2-0.4 µs
+        # against 3.6-10 µs at M = 8K/16K), but the Q-loop's code moves ptxas's schedule and costs the mainloop
+        # a share of its time (2-3% at pin 34, fused_paced_ccab14f.json; 0.4-0.9% with pace_kv=2 at pin 40,
+        # fused_paced_all_7c35388.json), more than it saves in long kernels. Halving the burst at the boundary
         # instead (half the vectors under the next tile's first GEMM, Q-loop untouched) left the NVLink part
         # as it was and moved the schedule all the same (fused_paced_split_405a9d8.json).
         self.store = store

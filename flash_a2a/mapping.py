@@ -334,3 +334,29 @@ def resolve_tail_split(option, n_tiles: int, grid: int, n_kv: int = 64, world: i
                              f"size {world} (the tail launch stores locally); use tail_split='kernel' or 'auto'")
         return "launch"
     raise ValueError(f"tail_split must be one of {TAIL_SPLITS}, got {option!r}")
+
+
+# The fused epilogue's store (store="auto", the piggyback default): "paced" (pace_kv=PACE_KV: a tile's stores
+# leave one vector per thread every PACE_KV KV blocks of the next tile's Q-loop) or the burst ("st"). Pacing
+# removes what NVLink adds to the burst's residual (fused minus its self-store control) but its Q-loop code costs
+# the mainloop a fraction of its time: PACE_SLOWDOWN (self_paced2 minus self: 0.4-0.9% of T_FA). What it removes
+# is about constant, PACE_SAVING_KV_BLOCKS (7-10 µs, ~4.6 KV-block times at d = 128, where it pays). So pacing pays
+# in short kernels only: at most PACE_SAVING_KV_BLOCKS / PACE_SLOWDOWN = 767 KV-block rounds. Fitted to 2 x H200
+# (benchmarks/results/h200x2/flash_a2a_variants/fused_paced_all_7c35388.json, 32 pairs per column, and
+# fused_paced_split_53f1f5c.json): paced2 minus FA-only 3.2 / 5.1 µs against the burst's 10.9 / 11.6 at
+# 3 heads/16K and 12 heads/8K (372 KV-block rounds each), 10.9 / 15.0 against 6.5 / 12.2 at 3 heads/32K and
+# 12 heads/16K (1490), a tie at 3 heads/8K (one tile per CTA in the rounds kernel: nothing to pace under).
+PACE_KV = 2
+PACE_SLOWDOWN = 0.006
+PACE_SAVING_KV_BLOCKS = 4.6
+
+
+def paced_store_pays(n_tiles: int, grid: int, n_kv: int, split_plan=False) -> bool:
+    """Whether store="auto" takes the paced epilogue for this walk: the kernel that stores to peers (with
+    ``split_plan`` "launch" the whole rounds only) gives each CTA a next tile to pace under (at least two
+    tiles), and the Q-loop's slowdown over the whole kernel (PACE_SLOWDOWN of its n_tiles / grid · n_kv KV-block
+    times) costs less than the burst's NVLink part it removes (PACE_SAVING_KV_BLOCKS)."""
+    per_cta = n_tiles // grid if split_plan == "launch" else -(-n_tiles // grid)
+    if per_cta < 2:
+        return False
+    return PACE_SLOWDOWN * (n_tiles / grid) * n_kv < PACE_SAVING_KV_BLOCKS

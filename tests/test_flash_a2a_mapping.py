@@ -328,6 +328,53 @@ def test_split_plan_falls_back_or_refuses_where_the_split_kernel_does_not_go():
             _split_plan({"tail_split": "launch"}, {**base, **knobs}, 192, 132, 64, 1, persistent)
 
 
+def test_paced_store_pays_in_short_kernels_with_a_next_tile():
+    """store="auto" paces the fused stores where the Q-loop's slowdown (PACE_SLOWDOWN of the kernel) costs less
+    than the burst's NVLink part (PACE_SAVING_KV_BLOCKS) and each CTA has a next tile to pace under: of the
+    benchmark's shapes on 132 SMs (2 ranks), 3 heads/16K and 12 heads/8K (372 KV-block rounds each), where
+    2 x H200 measured 3.2 / 5.1 µs against the burst's 10.9 / 11.6; not 3 heads/32K or 12 heads/16K (1490, the
+    burst measured faster), nor 3 heads/8K (its rounds kernel has one tile per CTA)."""
+    from flash_a2a.mapping import PACE_SAVING_KV_BLOCKS, PACE_SLOWDOWN, paced_store_pays, resolve_tail_split
+
+    shapes = [(h, s) for h in (3, 12) for s in (8192, 16384, 32768, 49152, 65536)]
+    picked = []
+    for h, s in shapes:
+        n_tiles, n_kv = (s // 128) * h, s // 128
+        if paced_store_pays(n_tiles, 132, n_kv, resolve_tail_split("auto", n_tiles, 132, n_kv, 2)):
+            picked.append((h, s))
+    assert picked == [(3, 16384), (12, 8192)]
+    assert not paced_store_pays(192, 132, 64, "launch")  # 3 heads/8K: one tile per CTA before the tail launch
+    assert paced_store_pays(192, 132, 64, False)  # the same walk unsplit: 60 CTAs have a second tile
+    assert not paced_store_pays(100, 132, 64)  # one round: no next tile
+    # the bound itself: just under and just over PACE_SAVING_KV_BLOCKS / PACE_SLOWDOWN KV-block rounds
+    limit = PACE_SAVING_KV_BLOCKS / PACE_SLOWDOWN
+    assert paced_store_pays(264, 132, int(limit / 2) - 1) and not paced_store_pays(264, 132, int(limit / 2) + 1)
+
+
+def test_store_choice_paces_only_where_the_paced_kernel_goes():
+    """The API's store="auto": paced (pace_kv from the mapping, or the caller's) where paced_store_pays and the
+    paced kernel takes the other knobs; the burst (no ``store``: the default kernel's key) for completion-coupled
+    launches, explicit stores, the one-launch split (its kernel stores in bursts) and long kernels."""
+    pytest.importorskip("cutlass")
+    from flash_a2a.api import _store_choice
+    from flash_a2a.mapping import PACE_KV
+
+    pb = {"head_dim": 128, "mode": "piggyback", "n_dst": 2, "cross_halves": False}
+    paced = {"store": "paced", "pace_kv": PACE_KV}
+    assert _store_choice({}, pb, False, 384, 132, 128) == paced  # 3 heads/16K
+    assert _store_choice({"store": "auto"}, pb, False, 768, 132, 64) == paced  # 12 heads/8K
+    assert _store_choice({"pace_kv": 3}, pb, False, 768, 132, 64) == {"store": "paced", "pace_kv": 3}
+    assert _store_choice({}, pb, False, 768, 132, 256) == {}  # 3 heads/32K: the burst
+    assert _store_choice({}, pb, "launch", 192, 132, 64) == {}  # 3 heads/8K
+    assert _store_choice({}, {**pb, "mode": "completion_coupled"}, False, 384, 132, 128) == {}
+    assert _store_choice({"store": "st"}, pb, False, 384, 132, 128) == {"store": "st"}
+    assert _store_choice({"store": "tma"}, pb, False, 384, 132, 128) == {"store": "tma"}
+    assert _store_choice({}, pb, "kernel", 384, 132, 128) == {}  # the split kernel takes only the burst
+    assert _store_choice({}, {**pb, "overlap": False}, False, 384, 132, 128) == {}
+    # the rounds kernel of a launch split paces too (two whole rounds before a 60-tile tail)
+    assert _store_choice({}, pb, "launch", 324, 132, 64) == paced
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_remote_tiles_turn_over_the_ctas(world):
     """With ``turn`` (a measured alternative) tile_coords's first stretch turns the destination by one rank

@@ -127,10 +127,11 @@ for stage in $stages; do
       # 32 adjacent pairs per column (run at 53f1f5c: fused_paced_split_53f1f5c)
       pair_diag fused_paced_split fapacedsplit "8192 16384 32768" '{"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"peel":{"mode":"piggyback","store":"paced","peel_drip":true},"self":{"mode":"piggyback","self_store":true},"self_paced2":{"mode":"piggyback","self_store":true,"store":"paced","pace_kv":2},"peel2":{"mode":"piggyback","store":"paced","peel_drip":true,"pace_kv":2}}' serial_fa4_nccl ;;
     fapacedall)
-      # pace_kv=2 against the burst epilogue at every shape of the main run (it halved E_res at 3 heads/16K and
-      # 12 heads/8K and cost more than it saved at 32K in fused_paced_split_53f1f5c), with both self-store
-      # controls, 8 rounds, 32 adjacent pairs per column, no FA4: the data for a per-shape epilogue choice
-      pair_diag fused_paced_all fapacedall "8192 16384 32768 49152 65536" '{"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"self":{"mode":"piggyback","self_store":true},"self_paced2":{"mode":"piggyback","self_store":true,"store":"paced","pace_kv":2}}' fa4 serial_fa4_nccl ;;
+      # pace_kv=2 against the burst epilogue at every shape of the main run, with both self-store controls,
+      # 8 rounds, 32 adjacent pairs per column, no FA4: the data of the per-shape choice (store="auto",
+      # mapping.paced_store_pays; run at 7c35388, before "auto", as fused_paced_all_7c35388, where "fused" and
+      # "self" were the burst). Since "auto" the default ("fused") is the choice; "burst" names the burst.
+      pair_diag fused_paced_all fapacedall "8192 16384 32768 49152 65536" '{"burst":{"mode":"piggyback","store":"st"},"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"self":{"mode":"piggyback","self_store":true,"store":"st"},"self_paced2":{"mode":"piggyback","self_store":true,"store":"paced","pace_kv":2}}' fa4 serial_fa4_nccl ;;
     faq2)
       # q_stages=2 (the next tile's Q loaded a tile ahead, so no warpgroup waits for it at a tile boundary)
       # beside the default, FA-only and fused, and FA4, at M = $FADIAG_SEQ, 8 rounds, 32 adjacent pairs each.
