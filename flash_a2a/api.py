@@ -208,11 +208,13 @@ def _unclustered(knobs: dict) -> dict:
 
 
 def _tail_knobs(knobs: dict) -> dict:
-    """The tail launch's knobs (tail_split="launch"): unclustered, and with the burst epilogue where the
-    rounds kernel paces its stores: the tail's tiles are all local (mapping.launch_split), so pacing them
-    under a next tile, which a chunk does not have, would save nothing."""
+    """The tail launch's knobs (tail_split="launch"): unclustered, and for a fused kernel with the burst
+    epilogue whatever store its rounds kernel uses (paced, bulk, TMA): the fused tail's tiles are all local
+    (mapping.launch_split), so how a peer store leaves (paced under a next tile, which a chunk does not have,
+    or handed to the TMA engine) changes nothing there, and the split kernel stores in bursts only."""
     knobs = _unclustered(knobs)
-    if knobs.get("store") == "paced":  # the default burst ("st"), by the default's own key: one compiled kernel
+    if knobs.get("mode", "local") != "local" and knobs.get("store", "st") != "st":
+        # the default burst ("st"), by the default's own key: one compiled kernel
         knobs = {k: v for k, v in knobs.items() if k not in ("store", "pace_kv", "peel_drip")}
     return knobs
 

@@ -321,6 +321,12 @@ def test_split_plan_falls_back_or_refuses_where_the_split_kernel_does_not_go():
         "launch", {"store": "paced", "pace_kv": 2})
     with pytest.raises(ValueError, match="tail_split"):
         _split_plan({"tail_split": True}, paced, 192, 132, 64, 2)
+    # so do the fused rounds kernel's TMA and bulk stores (the one-launch split takes neither)
+    for store in ("tma", "bulk"):
+        fused = {"head_dim": 128, "mode": "piggyback", "n_dst": 2, "store": store}
+        assert _split_plan({"store": store}, fused, 192, 132, 64, 2) == ("launch", {"store": store})
+        with pytest.raises(ValueError, match="tail_split"):
+            _split_plan({"store": store, "tail_split": True}, fused, 192, 132, 64, 2)
     for knobs, persistent in (({"store": "tma"}, True), ({"instrument": True}, True), ({"head_dim": 64}, True),
                               ({}, False)):
         assert _split_plan({}, {**base, **knobs}, 192, 132, 64, 1, persistent) == (False, {})

@@ -607,6 +607,10 @@ def test_split_tail_launches_compile_and_keep_the_default_schedule(tmp_path):
         assert softmax_overlap(_sass(rounds)) == default, name
         assert rounds.ptx_count(r"griddepcontrol\.launch_dependents") >= 1
         assert rounds.ptx_count(r"wgmma\.mma_async") >= 16
+    # the fused rounds kernel with TMA stores (the tail launch stores its local chunks in bursts)
+    tma_rounds = _compile(tmp_path / "rounds_tma", head_dim=128, walk="rounds", mode="piggyback", n_dst=2, store="tma")
+    assert tma_rounds.ptx_count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared") >= 1
+    assert tma_rounds.ptx_count(r"griddepcontrol\.launch_dependents") >= 1
     tail = _compile(tmp_path / "tail", head_dim=128, mode="piggyback", n_dst=2, walk="tail", tail_split=True,
                     signal="done")
     assert tail.ptx_count(r"griddepcontrol\.wait") >= 1
@@ -699,6 +703,11 @@ def _tail_split_worker(rank, world, init_file, path):
         for knobs in ({"store": "paced", "pace_kv": 2}, {"store": "paced", "peel_drip": True}):
             for shape in ((2, 4096, 3, 128), (2, 4096, 9, 128)):
                 checked += check(shape, "piggyback", "auto", **knobs)
+        # store="tma" / "bulk" in the rounds kernel of the launch split (its peer tiles through the TMA engine),
+        # the tail launch's local chunks in bursts
+        for knobs in ({"store": "tma"}, {"store": "bulk"}):
+            for shape in ((2, 4096, 3, 128), (2, 4096, 9, 128)):
+                checked += check(shape, "piggyback", "launch", **knobs)
         # The default (two launches at 192 tiles) in a CUDA Graph, replayed with fresh inputs.
         checked += _check_graph_replays(fused, (2, 4096, 3, 128), rank, world)
         with open(f"{path}.{rank}", "w") as f:
@@ -708,7 +717,7 @@ def _tail_split_worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_tail_split_matches_local_split_plus_reference_a2a(tmp_path):
     for res in run_ranks(_tail_split_worker, tmp_path):
-        assert res["checked"] == 3 * 12 + 2 + 4 + 3
+        assert res["checked"] == 3 * 12 + 2 + 4 + 4 + 3
 
 
 def test_cluster_kv_compiles_with_multicast_and_refuses_what_it_does_not_pair(tmp_path):

@@ -132,6 +132,22 @@ for stage in $stages; do
       # mapping.paced_store_pays; run at 7c35388, before "auto", as fused_paced_all_7c35388, where "fused" and
       # "self" were the burst). Since "auto" the default ("fused") is the choice; "burst" names the burst.
       pair_diag fused_paced_all fapacedall "8192 16384 32768 49152 65536" '{"burst":{"mode":"piggyback","store":"st"},"paced2":{"mode":"piggyback","store":"paced","pace_kv":2},"self":{"mode":"piggyback","self_store":true,"store":"st"},"self_paced2":{"mode":"piggyback","self_store":true,"store":"paced","pace_kv":2}}' fa4 serial_fa4_nccl ;;
+    fatma)
+      # The fused rounds kernel's peer stores through the TMA engine ("tma": one tensor store per 64-row half;
+      # "bulk": cp.async.bulk per row) with the launch split (the tail launch stores its local chunks in bursts),
+      # beside the default and the self-store controls of the burst and of TMA, at M = $FADIAG_SEQ (default 8K:
+      # 3 heads/8K's one round of 96 peer tiles, 3 MiB against Q = 2.4 MiB, is the residual H misses by).
+      pair_diag fused_tma fatma "8192" '{"burst":{"mode":"piggyback","store":"st"},"tma":{"mode":"piggyback","store":"tma"},"bulk":{"mode":"piggyback","store":"bulk"},"self":{"mode":"piggyback","self_store":true,"store":"st"},"self_tma":{"mode":"piggyback","self_store":true,"store":"tma"}}' fa4 serial_fa4_nccl ;;
+    farepeat)
+      # One point of the main run again, in a short run (the paper repeats noisy points so): FA-only, fused, the
+      # serial composition and its FA-only in plain order, NCCL A2A, at M = $FADIAG_SEQ (default 64K) and
+      # $FA_HEADS (default 12) heads per rank, 5 rounds, 64 adjacent pairs per residual (the main run's 20 pairs
+      # of 40 ms kernels put the serial excess's quartiles at -108 and +1492 µs at 12 heads/64K).
+      timeout ${FA_TIMEOUT:-240} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_repeat.json" \
+        --seq-lens ${FADIAG_SEQ:-65536} --heads-per-rank ${FA_HEADS:-12} --replays 5 --alternate-pairs 64 \
+        --alternate-min-us 0 --no-spans --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent \
+        fa_ours_pin_all fa_ours_unpinned cudnn a2a_symm pre_a2a_nccl pre_a2a_symm fused_cc fused_visible fa4 \
+        serial_fa4_nccl 2>&1 | tee "$OUT/farepeat.log" ;;
     faq2)
       # q_stages=2 (the next tile's Q loaded a tile ahead, so no warpgroup waits for it at a tile boundary)
       # beside the default, FA-only and fused, and FA4, at M = $FADIAG_SEQ, 8 rounds, 32 adjacent pairs each.
