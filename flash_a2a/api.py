@@ -159,7 +159,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, overlap: 
             _scale(softmax_scale, d), tile_order_rank, tile_order_world, grid, DEFAULT_TIMEOUT_NS)
     if plan == "launch":  # the whole rounds, then the last round's chunks (programmatic dependent launch)
         _kernel(q.dtype, d, "local", False, overlap, walk="rounds", **variant)(*args, dm.i64, *rest)
-        _kernel(q.dtype, d, "local", False, overlap, walk="tail", tail_split=True, **_tail_knobs(variant))(
+        _kernel(q.dtype, d, "local", False, overlap, walk="tail", tail_split=True, **_tail_knobs(variant, False))(
             *args, _tail_split_args(q.device, n_tiles, grid, n_kv), *rest)
         return out
     out_ptrs = dm.i64
@@ -182,7 +182,8 @@ def _split_plan(variant: dict, knobs: dict, n_tiles: int, grid: int, n_kv: int, 
     if not plan:
         return False, rest
     # cluster_kv applies to the rounds kernel of a "launch" split only (_check_cluster), not to the split kernel
-    split_knobs = _tail_knobs(knobs) if plan == "launch" else _unclustered(knobs)
+    split_knobs = (_tail_knobs(knobs, knobs.get("mode", "local") != "local") if plan == "launch"
+                   else _unclustered(knobs))
     why = "persistent=False" if not persistent else _split_refusal(tuple(sorted(split_knobs.items())))
     if why is not None:
         if option == "auto":
@@ -207,13 +208,13 @@ def _unclustered(knobs: dict) -> dict:
     return {k: v for k, v in knobs.items() if k != "cluster_kv"}
 
 
-def _tail_knobs(knobs: dict) -> dict:
-    """The tail launch's knobs (tail_split="launch"): unclustered, and for a fused kernel with the burst
+def _tail_knobs(knobs: dict, fused: bool) -> dict:
+    """The tail launch's knobs (tail_split="launch"): unclustered, and for a ``fused`` kernel with the burst
     epilogue whatever store its rounds kernel uses (paced, bulk, TMA): the fused tail's tiles are all local
     (mapping.launch_split), so how a peer store leaves (paced under a next tile, which a chunk does not have,
     or handed to the TMA engine) changes nothing there, and the split kernel stores in bursts only."""
     knobs = _unclustered(knobs)
-    if knobs.get("mode", "local") != "local" and knobs.get("store", "st") != "st":
+    if fused and knobs.get("store", "st") != "st":
         # the default burst ("st"), by the default's own key: one compiled kernel
         knobs = {k: v for k, v in knobs.items() if k not in ("store", "pace_kv", "peel_drip")}
     return knobs
@@ -383,7 +384,7 @@ class FusedAttentionA2A:
                                                          else "done")
             launches = ((_kernel(q.dtype, d, mode, False, n_dst=self.world, walk="rounds", **walk), out_ptrs),
                         (_kernel(q.dtype, d, mode, False, n_dst=self.world, walk="tail", tail_split=True,
-                                 **{**_tail_knobs(walk), "signal": tail_signal}), split_ptrs))
+                                 **{**_tail_knobs(walk, True), "signal": tail_signal}), split_ptrs))
         else:
             if plan == "kernel":
                 walk, out_ptrs = {**walk, "tail_split": True}, split_ptrs

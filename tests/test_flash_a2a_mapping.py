@@ -327,6 +327,16 @@ def test_split_plan_falls_back_or_refuses_where_the_split_kernel_does_not_go():
         assert _split_plan({"store": store}, fused, 192, 132, 64, 2) == ("launch", {"store": store})
         with pytest.raises(ValueError, match="tail_split"):
             _split_plan({"store": store, "tail_split": True}, fused, 192, 132, 64, 2)
+    # the fused launch's tail kernel from its walk knobs (no "mode" among them: FusedAttentionA2A.launch)
+    from flash_a2a.api import FUSED_WALK, _tail_knobs
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    for knobs in ({"store": "tma"}, {"store": "bulk"}, {"store": "paced", "pace_kv": 2}, {"cluster_kv": 2}):
+        tail = _tail_knobs({**FUSED_WALK, **knobs}, True)
+        assert "store" not in tail and "cluster_kv" not in tail and "pace_kv" not in tail
+        FlashAttentionA2AForward(head_dim=128, mode="piggyback", n_dst=2, walk="tail", tail_split=True,
+                                 signal="done", **tail)
+    assert _tail_knobs({"store": "tma"}, False) == {"store": "tma"}  # the local kernel's own split refuses it
     for knobs, persistent in (({"store": "tma"}, True), ({"instrument": True}, True), ({"head_dim": 64}, True),
                               ({}, False)):
         assert _split_plan({}, {**base, **knobs}, 192, 132, 64, 1, persistent) == (False, {})
