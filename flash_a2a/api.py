@@ -184,7 +184,7 @@ def _split_plan(variant: dict, knobs: dict, n_tiles: int, grid: int, n_kv: int, 
     # cluster_kv applies to the rounds kernel of a "launch" split only (_check_cluster), not to the split kernel
     split_knobs = (_tail_knobs(knobs, knobs.get("mode", "local") != "local") if plan == "launch"
                    else _unclustered(knobs))
-    why = "persistent=False" if not persistent else _split_refusal(tuple(sorted(split_knobs.items())))
+    why = "persistent=False" if not persistent else _split_refusal(split_knobs)
     if why is not None:
         if option == "auto":
             return False, rest
@@ -240,16 +240,22 @@ def _check_cluster(variant: dict, plan, n_tiles: int, grid: int, world: int, ran
 _REFUSALS: dict = {}
 
 
-def _split_refusal(knobs: tuple):
-    """Why the split kernel does not take these constructor knobs (its ValueError), or None; once per knob
-    set (every eager call asks)."""
-    if knobs not in _REFUSALS:
+def _refusal(knobs: dict):
+    """Why FlashAttentionA2AForward does not take these constructor knobs (its ValueError), or None; once per
+    knob set (every eager call asks)."""
+    key = tuple(sorted(knobs.items()))
+    if key not in _REFUSALS:
         try:
-            FlashAttentionA2AForward(**{**dict(knobs), "tail_split": True, "walk": "all"})
-            _REFUSALS[knobs] = None
+            FlashAttentionA2AForward(**knobs)
+            _REFUSALS[key] = None
         except ValueError as e:
-            _REFUSALS[knobs] = str(e)
-    return _REFUSALS[knobs]
+            _REFUSALS[key] = str(e)
+    return _REFUSALS[key]
+
+
+def _split_refusal(knobs: dict):
+    """Why the split kernel does not take these constructor knobs, or None."""
+    return _refusal({**knobs, "tail_split": True, "walk": "all"})
 
 
 def _store_choice(variant: dict, knobs: dict, plan, n_tiles: int, grid: int, n_kv: int) -> dict:
@@ -267,23 +273,9 @@ def _store_choice(variant: dict, knobs: dict, plan, n_tiles: int, grid: int, n_k
     trial = {**{k: v for k, v in knobs.items() if k != "store"}, **paced}
     trial.pop("tail_split", None)
     trial.update({"tail_split": True} if plan == "kernel" else {"walk": "rounds"} if plan == "launch" else {})
-    if _paced_refusal(tuple(sorted(trial.items()))) is not None:
+    if _refusal(trial) is not None:
         return rest
     return {**rest, **paced}
-
-
-_PACED: dict = {}
-
-
-def _paced_refusal(knobs: tuple):
-    """Why the fused kernel with these (paced) knobs cannot be built (its ValueError), or None; once per set."""
-    if knobs not in _PACED:
-        try:
-            FlashAttentionA2AForward(**dict(knobs))
-            _PACED[knobs] = None
-        except (ValueError, TypeError) as e:
-            _PACED[knobs] = str(e)
-    return _PACED[knobs]
 
 
 _TAIL_ARGS: dict = {}
