@@ -20,8 +20,8 @@ import torch.distributed as dist
 from cute_kernels.runtime import TORCH_TO_CUTLASS, check_error_word
 from flash_a2a.a2a import SymmetricOutput
 from flash_a2a.attention import MODES, PARTIAL_FLOATS, TILE_M, TILE_N, FlashAttentionA2AForward
-from flash_a2a.mapping import (PACE_KV, check_ulysses_shapes, choose_tail_split, cluster_walk_pairs, paced_store_pays,
-                              resolve_tail_split)
+from flash_a2a.mapping import (PACE_KV, RELAY_THREADS, check_ulysses_shapes, choose_tail_split, cluster_walk_pairs,
+                              paced_store_pays, relay_pays, relay_share, resolve_tail_split)
 
 _KERNELS: dict = {}
 DEFAULT_TIMEOUT_NS = 2_000_000_000
@@ -278,6 +278,36 @@ def _store_choice(variant: dict, knobs: dict, plan, n_tiles: int, grid: int, n_k
     return {**rest, **paced}
 
 
+RELAYS = ("auto", True, False)
+
+
+def _relay_choice(option, mode: str, plan, variant: dict, n_tiles: int, grid: int, n_kv: int, world: int,
+                  relay_vectors: int) -> bool:
+    """Whether this fused launch relays (``relay``): "auto" (the default) where ``mapping.relay_pays`` (a
+    one-round rounds kernel of the launch split) with the burst epilogue; True wherever a launch split runs
+    piggyback (ValueError otherwise); False never. ``relay_vectors``: the relay's 16 B vectors (its indices
+    are 32-bit)."""
+    if option not in RELAYS:
+        raise ValueError(f"relay must be one of {RELAYS}, got {option!r}")
+    if option is False:
+        return False
+    fits = relay_vectors + RELAY_THREADS < 2 ** 31
+    if option == "auto":
+        return (mode == "piggyback" and variant.get("store", "st") == "st" and fits
+                and relay_pays(n_tiles, grid, n_kv, world, plan))
+    if mode != "piggyback" or plan != "launch" or world < 2:
+        raise ValueError("relay=True sends the rounds kernel's peer tiles on from the split tail's launch: it needs "
+                         "mode='piggyback', a world of 2 or more and a launch split (tail_split='launch', or 'auto' "
+                         f"where the last round splits; this walk's plan is {plan!r})")
+    if variant.get("store", "st") not in ("st", "paced"):
+        raise ValueError(f"relay=True redirects the rounds kernel's pointer-addressed stores (store='st' or 'paced'); "
+                         f"store={variant['store']!r} writes through its own tensor maps: drop one of them")
+    if not fits:
+        raise ValueError(f"relay=True indexes its {relay_vectors} vectors with 32-bit integers: too many; "
+                         "pass relay=False")
+    return True
+
+
 _TAIL_ARGS: dict = {}
 
 
@@ -311,6 +341,7 @@ class FusedAttentionA2A:
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.timeout_ns = int(timeout_s * 1e9)
         self.states: dict = {}
+        self.decided: dict = {}  # (b, S, H/P, d, dtype) -> the last launch's tail_split, store and relay
 
     def state(self, q) -> SymmetricOutput:
         b, s, h_loc, d = q.shape
@@ -332,7 +363,11 @@ class FusedAttentionA2A:
         ``tail_split`` as in ``flash_attention`` ("auto" by default); with "launch" the rounds kernel sends every
         peer tile and the tail kernel (local tiles only) raises the flags once the rounds kernel is complete.
         ``store``: "auto" (the default) paces the peer stores over the next tile's Q-loop where that pays
-        (``mapping.paced_store_pays``: short kernels with at least two tiles per CTA), else the burst ("st")."""
+        (``mapping.paced_store_pays``: short kernels with at least two tiles per CTA), else the burst ("st").
+        ``relay``: "auto" (the default) relays where ``mapping.relay_pays`` (a one-round rounds kernel of the
+        launch split): its peer tiles go to a local shadow of each peer's buffer and the tail launch's MMA threads
+        copy them on under their chunks' Q-loops; True forces it on a launch split, False never.
+        What the launch decided is in ``self.decided[(b, S, H/P, d, dtype)]`` (tail_split, store, relay)."""
         if mode not in MODES[1:]:
             raise ValueError(f"mode must be 'piggyback' or 'completion_coupled', got {mode!r}")
         if variant.get("signal", True) is not True and wait:
@@ -342,6 +377,8 @@ class FusedAttentionA2A:
         check_ulysses_shapes(q.shape[1], q.shape[2] * self.world, self.world, TILE_M)
         if variant.get("store") == "auto":  # the default, decided per walk below (_store_choice)
             variant = {k: v for k, v in variant.items() if k != "store"}
+        relay_option = variant.get("relay", "auto")  # decided below (_relay_choice), once the walk is known
+        variant = {k: v for k, v in variant.items() if k != "relay"}
         st = self.state(q)
         b, s, h_loc, d = q.shape
         n_tiles = (s // TILE_M) * h_loc * b
@@ -356,6 +393,10 @@ class FusedAttentionA2A:
         if plan and n_tiles < grid:  # one round: every CTA's first tile carries the ready gate; nothing split
             plan = False
         variant = _store_choice(variant, knobs, plan, n_tiles, grid, n_kv)
+        relay = _relay_choice(relay_option, mode, plan, variant, n_tiles, grid, n_kv, self.world,
+                              relay_share(0, 1, self.world, b, s // self.world, h_loc, d * q.element_size() // 16)[2])
+        self.decided[(b, s, h_loc, d, q.dtype)] = {"tail_split": plan or False,
+                                                   "store": variant.get("store", "st"), "relay": relay}
         _check_cluster(variant, plan, n_tiles, grid, self.world, self.rank, s // self.world // TILE_M, h_loc)
         dsts = (st.out,) * self.world if self_store else st.peer_outs  # tensor maps of store="tma"
         rest = (st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors, spans if spans is not None else dm.spans,
@@ -374,9 +415,13 @@ class FusedAttentionA2A:
             signal = variant.get("signal", True)
             tail_signal = False if signal is False else ("done_nofence" if signal in ("nofence", "done_nofence")
                                                          else "done")
-            launches = ((_kernel(q.dtype, d, mode, False, n_dst=self.world, walk="rounds", **walk), out_ptrs),
+            rounds_ptrs, tail_ptrs, tail_relay = out_ptrs, split_ptrs, {}
+            if relay:  # the rounds kernel's peer tiles to local shadows, sent on by the tail kernel
+                rounds_ptrs, tail_ptrs = self._relay_ptrs(st, self_store, n_tiles, grid, split_ptrs)
+                tail_relay = {"relay": True}
+            launches = ((_kernel(q.dtype, d, mode, False, n_dst=self.world, walk="rounds", **walk), rounds_ptrs),
                         (_kernel(q.dtype, d, mode, False, n_dst=self.world, walk="tail", tail_split=True,
-                                 **{**_tail_knobs(walk, True), "signal": tail_signal}), split_ptrs))
+                                 **{**_tail_knobs(walk, True), "signal": tail_signal, **tail_relay}), tail_ptrs))
         else:
             if plan == "kernel":
                 walk, out_ptrs = {**walk, "tail_split": True}, split_ptrs
@@ -390,6 +435,22 @@ class FusedAttentionA2A:
         if wait:
             st.wait(self.world, self.timeout_ns)
         return st.out
+
+    def _relay_ptrs(self, st: SymmetricOutput, self_store: bool, n_tiles: int, grid: int, split_ptrs):
+        """relay: (the rounds kernel's destinations: this rank's own buffer, and a local shadow (b, S/P, H, d)
+        for each peer; the tail kernel's: split_ptrs, then every shadow's address, 0 for this rank). The shadows
+        are allocated once per shape, like the split's workspace, so graph replays see the same addresses."""
+        key = ("relay", self_store, n_tiles, grid)
+        if key not in st.extra:
+            bases = [st.out.data_ptr()] * self.world if self_store else list(st.handles[0].buffer_ptrs)
+            shadows = {j: torch.empty(st.out.shape, dtype=st.out.dtype, device=st.out.device)
+                       for j in range(self.world) if j != self.rank}
+            rounds = torch.tensor([shadows[j].data_ptr() if j in shadows else bases[j] for j in range(self.world)],
+                                  dtype=torch.int64, device=st.out.device)
+            shadow_ptrs = torch.tensor([shadows[j].data_ptr() if j in shadows else 0 for j in range(self.world)],
+                                       dtype=torch.int64, device=st.out.device)
+            st.extra[key] = (rounds, torch.cat([split_ptrs, shadow_ptrs]), shadows)
+        return st.extra[key][0], st.extra[key][1]
 
     def settle(self, q) -> None:
         """Wait (on the current stream) for the data of every launch so far with q's shape."""

@@ -45,8 +45,9 @@ from quack.cute_dsl_utils import ParamsBase
 
 from cute_kernels.flags import nanosleep
 from flash_a2a.epoch import announce_ready, await_all_ready, await_ready_here, publish_done, publish_peers_done
-from flash_a2a.mapping import (early_done_arrival, tile_coords, tile_halves, tail_split_units,  # the kernel's
-                              unit_work)  # tile walks, shared with the host
+from flash_a2a.mapping import (RELAY_PACE_KV, RELAY_START_KV, RELAY_THREADS, early_done_arrival,  # the kernel's
+                              relay_events_in_loop, relay_offset, relay_share, relay_slot, tile_coords,  # walks,
+                              tile_halves, tail_split_units, unit_work)  # shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
 STORES = ("st", "bulk", "tma", "paced")
@@ -162,7 +163,7 @@ class FlashAttentionA2AForward:
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
                  tail_split: bool = False, walk: str = "all", turn_destinations: bool = False,
-                 cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 8.0):
+                 cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 8.0, relay: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -254,6 +255,18 @@ class FlashAttentionA2AForward:
         if walk != "all" and (early_done or instrument):
             raise ValueError("walk='rounds'/'tail' (the split tail's two launches) take no early_done/instrument")
         self.walk = walk
+        # relay (fused tail launch; the API's relay="auto", mapping.relay_pays): the rounds kernel has stored its
+        # peer tiles into a local shadow of each peer's buffer (out_ptrs of the rounds launch point there), and
+        # this kernel's MMA threads copy them on to the peers (shadow addresses at out_ptrs[n_dst + 3 + j]), one
+        # 16 B vector each every RELAY_PACE_KV KV blocks of their first chunk's Q-loop (mapping.relay_share,
+        # relay_slot), before the flags it raises. A one-round rounds kernel has no next tile to pace its peer
+        # tiles under; this way the burst goes to local HBM and the NVLink stores drip under the tail's compute.
+        if relay not in (True, False):
+            raise ValueError(f"relay must be True or False, got {relay!r}")
+        if relay and (walk != "tail" or mode != "piggyback" or n_dst < 2):
+            raise ValueError("relay=True copies the rounds kernel's peer tiles on from the fused tail launch: use it "
+                             "with walk='tail', mode='piggyback' and n_dst >= 2")
+        self.relay = bool(relay)
         # cross_halves: the "crossed" tile walk (flash_a2a.mapping.tile_halves): the two MMA warpgroups of a tile
         # take 64-row blocks of different ranks' slices (Q comes in two 64-row TMA loads), so a tile sends at
         # most half of itself to a peer, and the remote tiles are spread evenly over the rounds before the
@@ -766,6 +779,34 @@ class FlashAttentionA2AForward:
         cute.autovec_copy(src, vec)
         cute.copy(g_copy, vec, thr_g.partition_D(g_dst)[None, chunk, None])
 
+    @cute.jit
+    def relay_event(self, n, relay):
+        """relay=True: event ``n`` of this thread's share (mapping.relay_events_in_loop): the vector loaded at
+        event n - 1 goes to its peer, then the next is loaded from the shadow, the first after griddepcontrol.wait
+        (the rounds kernel complete, its shadow stores visible). A load's latency passes under the KV blocks up
+        to the next event."""
+        out_ptrs, first, n_steps, total, world, rank, batch, rows_per_rank, h_loc, thr, rv = relay
+        vpr = self.head_dim // self.vec
+        if n == 0:
+            cute.arch.griddepcontrol_wait()
+        if n >= 1:
+            v = (first + n - 1) * RELAY_THREADS + thr
+            if v < total:
+                j, row, w = relay_slot(v, world, rank, batch, rows_per_rank, h_loc, vpr)
+                off = relay_offset(Int64(row), w, world, rank, h_loc, self.head_dim, self.vec)
+                dst = cute.make_ptr(self.dtype, out_ptrs[j], cute.AddressSpace.gmem, assumed_align=16)
+                cute.autovec_copy(rv, cute.make_tensor(dst + cute.assume(off, divby=self.vec),
+                                                       cute.make_layout(self.vec)))
+        if n < n_steps:
+            v = (first + n) * RELAY_THREADS + thr
+            if v < total:
+                j, row, w = relay_slot(v, world, rank, batch, rows_per_rank, h_loc, vpr)
+                off = relay_offset(Int64(row), w, world, rank, h_loc, self.head_dim, self.vec)
+                src = cute.make_ptr(self.dtype, out_ptrs[self.n_dst + 3 + j], cute.AddressSpace.gmem,
+                                    assumed_align=16)
+                cute.autovec_copy(cute.make_tensor(src + cute.assume(off, divby=self.vec), cute.make_layout(self.vec)),
+                                  rv)
+
     def wait_stage(self, pipe, state):
         """Wait for a K or V stage of the overlapped Q-loop (``try_wait``: probe first, FA4's pattern)."""
         if const_expr(self.try_wait):
@@ -776,10 +817,11 @@ class FlashAttentionA2AForward:
     @cute.jit
     def overlapped_block(self, softmax: OnlineSoftmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
                          tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg, drip=None, block=None,
-                         n_groups=None):
+                         n_groups=None, relay=None, relay_end=None):
         """One KV block n >= 1 of the overlapped Q-loop: S = Q Kₙᵀ issued with block n-1's O += P V.
         ``drip`` (store="paced"): on every pace_kv-th ``block`` (counted from 0) of the first n_groups·pace_kv,
-        also store the next vector of the previous tile's rows from sO."""
+        also store the next vector of the previous tile's rows from sO. ``relay`` (relay=True): on every
+        RELAY_PACE_KV-th ``block`` from RELAY_START_KV below ``relay_end``, the next relay event."""
         other = 1 - wg
         kv_v = kv_state.clone()
         kv_state.advance()
@@ -799,6 +841,10 @@ class FlashAttentionA2AForward:
                     self.store_chunk(*drip, block)
                 elif block % self.pace_kv == 0:
                     self.store_chunk(*drip, block // self.pace_kv)
+        if const_expr(relay is not None):
+            if block >= RELAY_START_KV and block < relay_end:
+                if (block - RELAY_START_KV) % RELAY_PACE_KV == 0:
+                    self.relay_event((block - RELAY_START_KV) // RELAY_PACE_KV, relay)
         warpgroup.wait_group(1)  # S ready; PV may still run
         if const_expr(not self.pin_softmax):
             pipe_k.consumer_release(kv_state)
@@ -826,13 +872,14 @@ class FlashAttentionA2AForward:
     @cute.jit
     def q_loop_overlapped(self, softmax: OnlineSoftmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                           tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_kv, wg, drip=None,
-                          n_groups=None, n_pending=None):
+                          n_groups=None, n_pending=None, relay=None, n_relay=None):
         """The whole Q-loop of one tile with intra-warpgroup overlap and warpgroup ping-pong.
 
         Block n's S = Q Kₙᵀ is issued together with block n-1's O += P V; softmax of block n runs while the
         PV GEMM drains, and the other warpgroup's GEMMs run under this warpgroup's softmax. store="paced":
         ``drip`` = (copy, thread slice, staged rows, destination address, heads) of the previous tile, whose
-        vectors [0, n_groups) go out in the loop and [n_groups, n_pending) after it."""
+        vectors [0, n_groups) go out in the loop and [n_groups, n_pending) after it. relay=True: ``relay`` (the
+        relay_event state), whose events [0, n_relay) run in the loop."""
         other = 1 - wg
         # first block: S only
         self.wait_stage(pipe_k, kv_state)
@@ -870,6 +917,15 @@ class FlashAttentionA2AForward:
                                                  drip, i, n_groups)
             for c in cutlass.range(n_groups, n_pending, unroll=1):  # what the loop had too few blocks for
                 self.store_chunk(*drip, c)
+        elif const_expr(relay is not None):
+            # relay=True: the events under a predicate in the one loop (peeled into a loop of their own, as
+            # peel_drip does, ptxas scheduled the plain loop's softmax worse: 47 of 66 exponentials ahead of the
+            # PV wait instead of the tail kernel's 53; in the one loop it keeps 53)
+            relay_end = cutlass.min(Int32(1), n_relay) * (RELAY_START_KV + RELAY_PACE_KV * (n_relay - 1) + 1)
+            for i in cutlass.range(n_kv - 1, unroll=1):
+                kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
+                                                 tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg,
+                                                 block=i, relay=relay, relay_end=relay_end)
         else:
             for _ in cutlass.range(n_kv - 1, unroll=1):
                 kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
@@ -1015,6 +1071,14 @@ class FlashAttentionA2AForward:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         first, n_walk, full, k_split = self.walk_bounds(n_tiles, grid, tail_k)
+        if const_expr(self.relay):
+            r_rows = n_mb_per_rank * TILE_M  # S/P
+            n_batch = n_tiles // (n_mb_per_rank * world * h_loc)
+            r_first, r_steps, r_total = relay_share(Int32(bidx), Int32(grid), world, n_batch, r_rows, h_loc,
+                                                    d // self.vec)
+            relay = (out_ptrs, r_first, r_steps, r_total, world, rank, n_batch, r_rows, h_loc, tidx,
+                     cute.make_rmem_tensor(self.vec, self.dtype))
+            r_done = Int32(0)  # 1 once this CTA's share is out (in its first unit's Q-loop and right after it)
         for u in cutlass.range(first + Int32(bidx), n_walk, Int32(grid), unroll=1):
             t = u
             n_this = n_kv
@@ -1040,6 +1104,11 @@ class FlashAttentionA2AForward:
                                                   tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_kv,
                                                   wg, (g_copy, thr_g, tGsO, pend_addr, heads), n_groups,
                                                   pend * chunks)
+            elif const_expr(self.relay):
+                n_relay = relay_events_in_loop(n_this, r_steps) * (1 - cutlass.min(Int32(1), r_done))
+                kv_state = self.q_loop_overlapped(softmax, acc_o, tOrP, tSrQ_t, tSrK, tOrVt, tiled_mma_qk,
+                                                  tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_this,
+                                                  wg, relay=relay, n_relay=n_relay)
             elif const_expr(self.overlap):
                 kv_state = self.q_loop_overlapped(softmax, acc_o, tOrP, tSrQ_t, tSrK, tOrVt, tiled_mma_qk,
                                                   tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_this,
@@ -1052,6 +1121,11 @@ class FlashAttentionA2AForward:
                                              tiled_mma_pv, pipe_k, pipe_v, kv_state)
                 pipe_q.consumer_release(q_state)
             q_state.advance()
+            if const_expr(self.relay):
+                if r_done == 0:  # what the first Q-loop had too few blocks for
+                    for n in cutlass.range(n_relay, r_steps + 1, unroll=1):
+                        self.relay_event(n, relay)
+                    r_done = Int32(1)
             store_tile = 1  # tail_split: whether this unit stores its tile (a whole tile, or the last chunk)
             if const_expr(self.tail_split):
                 store_tile = self.tail_partial(acc_o, softmax, out_ptrs, t - full, chunk, split, k_split, wg, tidx,
@@ -1168,6 +1242,10 @@ class FlashAttentionA2AForward:
                         spans[row, 2] = ck0
                         spans[row, 3] = cute.arch.clock64()
 
+        if const_expr(self.relay):
+            if r_done == 0:  # a CTA without a unit in the tail walk: its whole share now
+                for n in cutlass.range(r_steps + 1, unroll=1):
+                    self.relay_event(n, relay)
         if const_expr(paced):
             if pend != 0:  # the CTA's last tile (local in the fused order's last round): all of it now
                 for c in cutlass.range_constexpr(chunks):

@@ -320,7 +320,6 @@ def _run(rank, world, args):
     from calibrate.profile import resolve_profile
     from flash_a2a.a2a import SymmetricUlyssesA2A, nccl_post_a2a
     from flash_a2a.api import FUSED_WALK, FusedAttentionA2A, flash_attention, pre_attention_a2a
-    from flash_a2a.mapping import paced_store_pays, resolve_tail_split
 
     torch.set_grad_enabled(False)
     base = _baselines()
@@ -469,10 +468,11 @@ def _run(rank, world, args):
                     row[f + "_E_res_us"] = _paired_excess(times, f, "fa_ours")
                 row["fused_cc_minus_fused_us"] = _paired_excess(times, "fused_cc", "fused")
                 row["tiles_per_cta"] = n_tiles / grid
-                # the fused default's decided walk and epilogue (tail_split="auto", store="auto")
-                plan = resolve_tail_split("auto", n_tiles, grid, s // 128, world)
-                row["fused_tail_split"] = plan or False
-                row["fused_store"] = "paced" if paced_store_pays(n_tiles, grid, s // 128, plan) else "st"
+                # the fused default's decided walk, epilogue and relay, as its launch records them
+                fused.launch(q, k, v, mode="piggyback", wait=True)
+                decided = fused.decided[(1, s, h_loc, HEAD_DIM, q.dtype)]
+                for key in ("tail_split", "store", "relay"):
+                    row["fused_" + key] = decided[key]
                 for ser in ("serial_ours_nccl", "serial_fa4_nccl"):
                     if ser + "_us" in row and "fused_us" in row:
                         row["speedup_fused_over_" + ser] = row[ser + "_us"] / row["fused_us"]

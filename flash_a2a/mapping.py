@@ -360,3 +360,59 @@ def paced_store_pays(n_tiles: int, grid: int, n_kv: int, split_plan=False) -> bo
     if per_cta < 2:
         return False
     return PACE_SLOWDOWN * (n_tiles / grid) * n_kv < PACE_SAVING_KV_BLOCKS
+
+
+# The relay (fused, tail_split="launch", relay=True): the rounds kernel stores its peer tiles into a local
+# shadow of each peer's (b, S/P, H, d) buffer instead of over NVLink, and the tail launch's MMA threads copy
+# them on, one 16 B vector per thread every RELAY_PACE_KV KV blocks of their chunk's Q-loop from KV block
+# RELAY_START_KV on (after griddepcontrol.wait: the rounds kernel is complete by then, its CTAs having exited
+# to make room for the tail's). RELAY_THREADS: the MMA threads of a CTA (two warpgroups).
+RELAY_THREADS = 256
+RELAY_PACE_KV = 2
+RELAY_START_KV = 2
+
+
+def relay_share(bidx, grid, world, batch, rows_per_rank, h_loc, vec_per_row):
+    """CTA ``bidx``'s share of the relay: (first step, steps, vectors in all). The relay moves this rank's
+    rows of every peer's buffer, (P-1)·b·S/P·H/P rows of ``vec_per_row`` 16 B vectors, as steps of
+    RELAY_THREADS vectors (thread i of a step takes vector step·RELAY_THREADS + i); the grid's CTAs take
+    contiguous, near-equal runs of steps. Ints or DSL Int32."""
+    total = (world - 1) * batch * rows_per_rank * h_loc * vec_per_row
+    steps = (total + RELAY_THREADS - 1) // RELAY_THREADS
+    first = bidx * steps // grid
+    return first, (bidx + 1) * steps // grid - first, total
+
+
+def relay_slot(v, world, rank, batch, rows_per_rank, h_loc, vec_per_row):
+    """Relay vector ``v`` -> (peer rank j, row r of the peer's (b·S/P) rows, vector w within the row's run of
+    this rank's H/P heads): the vector sits at element offset ``relay_offset(r, w, ...)`` of both the shadow
+    and peer j's buffer. Peers in order rank+1, rank+2, ...; within a peer, rows in memory order, each row's
+    h_loc·d contiguous elements of this rank's heads. Ints or DSL Int32."""
+    run_len = h_loc * vec_per_row
+    run = v // run_len
+    w = v - run * run_len
+    runs = batch * rows_per_rank
+    i = run // runs
+    return (rank + 1 + i) % world, run - i * runs, w
+
+
+def relay_offset(row, w, world, rank, h_loc, head_dim, vec):
+    """Element offset of relay vector (row, w) (``relay_slot``) in a (b, S/P, H, d) buffer: row ``row`` of
+    b·S/P, heads from rank·H/P on, ``vec`` elements per vector (pass an Int64 ``row`` in a kernel)."""
+    return (row * (h_loc * world) + rank * h_loc) * head_dim + w * vec
+
+
+def relay_events_in_loop(n_kv_chunk, n_steps):
+    """How many of a CTA's n_steps + 1 relay events (event n stores step n - 1 and loads step n) fall inside
+    a Q-loop of ``n_kv_chunk`` KV blocks: one every RELAY_PACE_KV of its overlapped blocks i = 0 .. n_kv_chunk - 2,
+    from i = RELAY_START_KV on; the rest run right after the loop. Ints or DSL Int32."""
+    fits = cutlass_max(0, (n_kv_chunk - 1 - RELAY_START_KV + RELAY_PACE_KV - 1) // RELAY_PACE_KV)
+    return cutlass_min(n_steps + 1, fits)
+
+
+def relay_pays(n_tiles: int, grid: int, n_kv: int, world: int, split_plan) -> bool:
+    """Where relay="auto" relays (the burst epilogue of a fused launch split): the rounds kernel is one round
+    (every CTA has one tile, so its peer tiles go out together at its end with no next tile to pace under;
+    at P = 2, 3 heads/8K, 96 tiles, 3 MiB, above Q = 2.4 MiB) and the tail launch has chunks to drip them
+    under. Where CTAs have a next tile, pacing (``paced_store_pays``) or the burst under it stays."""
+    return world > 1 and split_plan == "launch" and n_tiles // grid == 1 and n_kv > RELAY_START_KV

@@ -449,3 +449,99 @@ def test_cluster_walk_pairs_share_a_head_at_every_step(world):
     n_mb = 8192 // world // 128
     assert cluster_walk_pairs(n_mb * world * 3, 132, world, n_mb, 3, 0, n_mb * world * 3)
     assert not cluster_walk_pairs(n_mb * world * 3, 131, world, n_mb, 3, 0, n_mb * world * 3)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_relay_covers_the_rounds_kernels_peer_tiles_once(world):
+    """relay: the grid's shares (relay_share) cover every relay vector once, and relay_slot/relay_offset put
+    them on exactly the elements the rounds kernel of the launch split writes to peers (tile_coords over its
+    whole rounds, destination not this rank), each once, in the shadow and the peer buffer alike; a CTA's
+    in-loop events (relay_events_in_loop) never exceed its n_steps + 1."""
+    from flash_a2a.mapping import (RELAY_THREADS, launch_split, relay_events_in_loop, relay_offset, relay_share,
+                                   relay_slot, tile_coords)
+
+    rng = random.Random()
+    d, vec = 128, 8
+    vpr = d // vec
+    done = 0
+    while done < 6:
+        n_mb, h_loc, b, grid = rng.randint(1, 6), rng.randint(1, 3), rng.randint(1, 2), rng.randint(3, 40)
+        rank = rng.randrange(world)
+        n_tiles = n_mb * world * h_loc * b
+        split = launch_split(n_tiles, grid, 8, world)
+        if split is None or not split[2]:
+            continue  # no launch split at this walk: nothing to relay
+        done += 1
+        rows = n_mb * 128
+        heads = h_loc * world
+        # what the rounds kernel sends to peers: element offsets per destination
+        sent = {j: set() for j in range(world) if j != rank}
+        for t in range(n_tiles // grid * grid):
+            m_block, h, bb, dest = tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid)
+            if dest == rank:
+                continue
+            for r in range(128):
+                drow = (m_block - dest * n_mb) * 128 + r
+                base = ((bb * rows + drow) * heads + rank * h_loc + h) * d
+                sent[dest].update(base + w * vec for w in range(vpr))
+        relayed = {j: set() for j in sent}
+        total_seen = 0
+        for c in range(grid):
+            first, n_steps, total = relay_share(c, grid, world, b, rows, h_loc, vpr)
+            assert relay_events_in_loop(rng.randint(1, 64), n_steps) <= n_steps + 1
+            for step in range(first, first + n_steps):
+                for i in range(RELAY_THREADS):
+                    v = step * RELAY_THREADS + i
+                    if v >= total:
+                        continue
+                    j, row, w = relay_slot(v, world, rank, b, rows, h_loc, vpr)
+                    off = relay_offset(row, w, world, rank, h_loc, d, vec)
+                    assert off not in relayed[j], "a vector relayed twice"
+                    relayed[j].add(off)
+                    total_seen += 1
+        assert total_seen == total == (world - 1) * b * rows * h_loc * vpr
+        assert relayed == sent
+
+
+def test_relay_pays_where_the_rounds_kernel_has_one_round():
+    """relay="auto" relays where the launch split's rounds kernel is one round (no next tile to pace its peer
+    burst under): of the benchmark's shapes on 132 SMs and 2 ranks, 3 heads/8K only; never at P = 1, without a
+    launch split, or with chunks too short to reach the first event."""
+    from flash_a2a.mapping import RELAY_START_KV, relay_events_in_loop, relay_pays, resolve_tail_split
+
+    picked = []
+    for h in (3, 12):
+        for s in (8192, 16384, 32768, 49152, 65536):
+            n_tiles, n_kv = (s // 128) * h, s // 128
+            if relay_pays(n_tiles, 132, n_kv, 2, resolve_tail_split("auto", n_tiles, 132, n_kv, 2)):
+                picked.append((h, s))
+    assert picked == [(3, 8192)]
+    assert not relay_pays(192, 132, 64, 2, False) and not relay_pays(192, 132, 64, 1, "launch")
+    assert not relay_pays(192, 132, RELAY_START_KV, 2, "launch")
+    # a 32-block chunk (3 heads/8K, k = 2) takes a 6-step share (7 events) in its loop; 4 blocks take one
+    assert relay_events_in_loop(32, 6) == 7 and relay_events_in_loop(4, 6) == 1 and relay_events_in_loop(3, 6) == 0
+
+
+def test_relay_choice_and_its_refusals():
+    """The API's relay option: "auto" relays where relay_pays with the burst epilogue, True wherever a launch split
+    runs piggyback; everything else a ValueError naming the fix (before any launch)."""
+    pytest.importorskip("cutlass")
+    from flash_a2a.api import _relay_choice
+
+    assert _relay_choice("auto", "piggyback", "launch", {}, 192, 132, 64, 2, 10 ** 6)
+    assert not _relay_choice("auto", "piggyback", "launch", {"store": "paced"}, 192, 132, 64, 2, 10 ** 6)
+    assert not _relay_choice("auto", "completion_coupled", "launch", {}, 192, 132, 64, 2, 10 ** 6)
+    assert not _relay_choice("auto", "piggyback", "launch", {}, 768, 132, 64, 2, 10 ** 6)  # 12 heads/8K: 5 rounds
+    assert not _relay_choice("auto", "piggyback", "launch", {}, 192, 132, 64, 2, 2 ** 31)  # 32-bit indices
+    assert not _relay_choice(False, "piggyback", "launch", {}, 192, 132, 64, 2, 10 ** 6)
+    assert _relay_choice(True, "piggyback", "launch", {}, 768, 132, 64, 2, 10 ** 6)
+    assert _relay_choice(True, "piggyback", "launch", {"store": "paced"}, 768, 132, 64, 2, 10 ** 6)
+    for args, match in ((("yes", "piggyback", "launch", {}), "relay must be one of"),
+                        ((True, "completion_coupled", "launch", {}), "mode='piggyback'"),
+                        ((True, "piggyback", False, {}), "launch split"),
+                        ((True, "piggyback", "kernel", {}), "launch split"),
+                        ((True, "piggyback", "launch", {"store": "tma"}), "tensor maps")):
+        with pytest.raises(ValueError, match=match):
+            _relay_choice(*args, 192, 132, 64, 2, 10 ** 6)
+    with pytest.raises(ValueError, match="32-bit"):
+        _relay_choice(True, "piggyback", "launch", {}, 192, 132, 64, 2, 2 ** 31)

@@ -622,6 +622,33 @@ def test_split_tail_launches_compile_and_keep_the_default_schedule(tmp_path):
             FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", **bad})
 
 
+def test_relay_tail_compiles_with_its_copies_in_the_q_loop(tmp_path):
+    """relay=True (the fused tail launch sends the rounds kernel's shadowed peer tiles on): 128-bit loads and
+    stores beyond the plain tail kernel's, the grid-dependency wait ahead of its first load as well as before the
+    flags, the same KV-loop softmax schedule as the plain tail kernel (the events sit under a predicate inside
+    the one loop), no spills; refused outside the fused tail launch."""
+    from cute_kernels.compile import ptxas_resource_usage, softmax_overlap
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    tail = {"head_dim": 128, "mode": "piggyback", "n_dst": 2, "walk": "tail", "tail_split": True, "signal": "done"}
+    plain = _compile(tmp_path / "plain", **tail)
+    relay = _compile(tmp_path / "relay", **tail, relay=True)
+    for pat in (r"ld\.global\.v4", r"st\.global\.v4"):
+        assert relay.ptx_count(pat) > plain.ptx_count(pat), pat
+    assert relay.ptx_count(r"griddepcontrol\.wait") > plain.ptx_count(r"griddepcontrol\.wait") >= 1
+    assert relay.ptx_count(r"wgmma\.mma_async") >= 16
+    relay_loops = softmax_overlap(_sass(relay))
+    assert relay_loops and set(relay_loops) == set(softmax_overlap(_sass(plain))), relay_loops
+    usage = ptxas_resource_usage(relay.ptx, "sm_90a")
+    if usage is not None:
+        for name, u in usage.items():
+            assert u.spill_stores == 0 and u.spill_loads == 0, (name, u)
+    for bad in ({"walk": "all", "tail_split": True}, {"mode": "completion_coupled"}, {"n_dst": 1},
+                {"relay": "yes"}):
+        with pytest.raises(ValueError, match="relay"):
+            FlashAttentionA2AForward(**{**tail, "relay": True, **bad})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("option", [True, "launch"])
 @pytest.mark.parametrize("shape", [(1, 8192, 3, 128), (1, 8192, 1, 128), (2, 4096, 9, 128), (1, 4096, 13, 128)])
@@ -708,7 +735,25 @@ def _tail_split_worker(rank, world, init_file, path):
         for knobs in ({"store": "tma"}, {"store": "bulk"}):
             for shape in ((2, 4096, 3, 128), (2, 4096, 9, 128)):
                 checked += check(shape, "piggyback", "launch", **knobs)
-        # The default (two launches at 192 tiles) in a CUDA Graph, replayed with fresh inputs.
+        # relay: the default relays at 192 tiles (one round before the tail launch, above); here its counterpart
+        # (relay=False) there, and relay=True forced at 576 tiles (four rounds: every peer tile through the
+        # shadow, several units per CTA) and 416 (six chunks per tile: chunks of 5-6 KV blocks, most events
+        # after the loop), with the paced rounds kernel too, and with the self-store control's pointers
+        for shape, knobs in (((2, 4096, 3, 128), {"relay": False}), ((2, 4096, 9, 128), {"relay": True}),
+                             ((1, 4096, 13, 128), {"relay": True}),
+                             ((2, 4096, 9, 128), {"relay": True, "store": "paced", "pace_kv": 2})):
+            checked += check(shape, "piggyback", "auto", **knobs) + check(shape, "piggyback", "auto", **knobs)
+        for shape in ((2, 4096, 3, 128), (2, 4096, 9, 128)):
+            assert fused.decided[(*shape, torch.bfloat16)]["tail_split"] == "launch"
+        fused(*(torch.randn(2, 4096, 3, 128, device="cuda").to(torch.bfloat16) for _ in range(3)))
+        assert fused.decided[(2, 4096, 3, 128, torch.bfloat16)]["relay"] is True, "the default relays at 192 tiles"
+        fused(*(torch.randn(2, 4096, 9, 128, device="cuda").to(torch.bfloat16) for _ in range(3)))
+        assert fused.decided[(2, 4096, 9, 128, torch.bfloat16)]["relay"] is False
+        q, k, v = (torch.randn(2, 4096, 3, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
+        fused.launch(q, k, v, wait=False, self_store=True, signal=False, relay=True)  # the control's relay runs
+        torch.cuda.synchronize()
+        fused.check()
+        # The default (two launches at 192 tiles, relayed) in a CUDA Graph, replayed with fresh inputs.
         checked += _check_graph_replays(fused, (2, 4096, 3, 128), rank, world)
         with open(f"{path}.{rank}", "w") as f:
             json.dump({"checked": checked}, f)
@@ -717,7 +762,7 @@ def _tail_split_worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_tail_split_matches_local_split_plus_reference_a2a(tmp_path):
     for res in run_ranks(_tail_split_worker, tmp_path):
-        assert res["checked"] == 3 * 12 + 2 + 4 + 4 + 3
+        assert res["checked"] == 3 * 12 + 2 + 4 + 4 + 8 + 3
 
 
 def test_cluster_kv_compiles_with_multicast_and_refuses_what_it_does_not_pair(tmp_path):

@@ -138,6 +138,16 @@ for stage in $stages; do
       # beside the default and the self-store controls of the burst and of TMA, at M = $FADIAG_SEQ (default 8K:
       # 3 heads/8K's one round of 96 peer tiles, 3 MiB against Q = 2.4 MiB, is the residual H misses by).
       pair_diag fused_tma fatma "8192" '{"burst":{"mode":"piggyback","store":"st"},"tma":{"mode":"piggyback","store":"tma"},"bulk":{"mode":"piggyback","store":"bulk"},"self":{"mode":"piggyback","self_store":true,"store":"st"},"self_tma":{"mode":"piggyback","self_store":true,"store":"tma"}}' fa4 serial_fa4_nccl ;;
+    farelay)
+      # relay (the launch split's rounds kernel stores its peer tiles into local shadows, the tail launch's MMA
+      # threads send them on under their chunks' Q-loops): the default ("auto": relays at 3 heads/8K, the one-round
+      # rounds kernel), relay off, relay forced (12 heads: five rounds, every peer tile through the shadow), and
+      # the self-store controls of both, at M = $FADIAG_SEQ (default 8K), 32 adjacent pairs each.
+      pair_diag fused_relay farelay "8192" '{"norelay":{"mode":"piggyback","relay":false},"relay":{"mode":"piggyback","relay":true},"self":{"mode":"piggyback","self_store":true,"relay":false},"self_relay":{"mode":"piggyback","self_store":true,"relay":true}}' fa4 serial_fa4_nccl ;;
+    fasplitgpu)
+      # the fused split-tail GPU test alone (relay, TMA/bulk rounds, graph replays): a quick check before the rest
+      timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -x -rs tests/test_flash_attention.py -k \
+        "tail_split or split_tail" 2>&1 | tee "$OUT/pytest_split_gpu.log" ;;
     farepeat)
       # One point of the main run again, in a short run (the paper repeats noisy points so): FA-only, fused, the
       # serial composition and its FA-only in plain order, NCCL A2A, at M = $FADIAG_SEQ (default 64K) and
