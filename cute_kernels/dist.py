@@ -39,6 +39,19 @@ def process_group(rank: int, world: int, init_file: str, backend: str = "nccl", 
     dist.destroy_process_group()
 
 
+def meet_after_compile(cached_before: int, cached_now: int, group) -> None:
+    """Call between looking a call's kernels up in a JIT cache and launching them: when the cache grew (this
+    rank compiled, seconds and not alike on every rank; the same on every rank, whose calls come in the same
+    order) and no CUDA graph is being captured, every rank of ``group`` meets here, so no peer's bounded waits
+    (ready gates, data flags) run out while a rank is still compiling."""
+    import torch
+    import torch.distributed as dist
+
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if cached_now != cached_before and not capturing:
+        dist.barrier(group=group)
+
+
 def _rank_main(rank: int, fn, *args) -> None:
     """A spawned rank: run ``fn``; on failure print the traceback and exit at once, so the spawner stops the
     other ranks instead of this one waiting to tear down a group its peers are blocked in."""

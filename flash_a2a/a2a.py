@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
+from cute_kernels.dist import meet_after_compile
 from cute_kernels.runtime import check_error_word, new_error_word
 from flash_a2a.mapping import check_ulysses_shapes
 from flash_a2a.epoch import MAX_GRID
@@ -105,7 +106,11 @@ class SymmetricUlyssesA2A:
         grid = min(n_tiles, self.ctas_per_sm * sms)
         if grid > MAX_GRID:
             raise ValueError(f"grid {grid} exceeds the epoch protocol's {MAX_GRID} CTAs; lower ctas_per_sm")
-        _compiled("scatter", vec_per_row, self.tile_m, 128, direction)(
+        cached = len(_KERNELS)
+        scatter = _compiled("scatter", vec_per_row, self.tile_m, 128, direction)
+        _compiled("wait")
+        meet_after_compile(cached, len(_KERNELS), self.group)  # its ready gate waits for every rank's launch
+        scatter(
             x.view(torch.int32).view(-1, 4), st.out_ptrs, st.flag_ptrs, st.flags, st.epoch, st.counter, st.errors,
             x.shape[0], seq, h_loc, self.rank, self.world, grid, self.timeout_ns)
         st.wait(self.world, self.timeout_ns)

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from cute_kernels.dist import meet_after_compile
 from cute_kernels.runtime import TORCH_TO_CUTLASS, check_error_word
 from flash_a2a.a2a import SymmetricOutput
 from flash_a2a.attention import MODES, PARTIAL_FLOATS, TILE_M, TILE_N, FlashAttentionA2AForward
@@ -426,10 +427,7 @@ class FusedAttentionA2A:
             if plan == "kernel":
                 walk, out_ptrs = {**walk, "tail_split": True}, split_ptrs
             launches = ((_kernel(q.dtype, d, mode, spans is not None, n_dst=self.world, **walk), out_ptrs),)
-        if len(_KERNELS) != compiled and not torch.cuda.is_current_stream_capturing():
-            # This rank just compiled (seconds, not the same on every rank): start together, so that no
-            # peer's bounded waits (ready gate, data flags: timeout_s) run out while a rank is still compiling.
-            dist.barrier(group=self.group)
+        meet_after_compile(compiled, len(_KERNELS), self.group)  # a rank that compiled: start together
         for kernel, ptrs in launches:
             kernel(q, k, v, q, ptrs, *rest)
         if wait:

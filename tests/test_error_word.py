@@ -64,3 +64,18 @@ def test_spawned_ranks_meet_and_report(tmp_path):
     from ranks import run_ranks
 
     assert [r["sum"] for r in run_ranks(_gloo_rank, tmp_path, world=2)] == [3, 3]
+
+
+def test_ranks_meet_only_after_a_compile(monkeypatch):
+    """cute_kernels.dist.meet_after_compile: a barrier of the group when the JIT cache grew (a rank compiled
+    before launching kernels with bounded waits), none when every kernel was cached."""
+    import torch.distributed as dist
+
+    from cute_kernels.dist import meet_after_compile
+
+    met = []
+    monkeypatch.setattr(dist, "barrier", lambda group=None: met.append(group))
+    meet_after_compile(3, 3, "group")
+    assert met == []
+    meet_after_compile(3, 5, "group")
+    assert met == ["group"]
