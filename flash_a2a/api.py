@@ -379,7 +379,11 @@ class FusedAttentionA2A:
         if variant.get("store") == "auto":  # the default, decided per walk below (_store_choice)
             variant = {k: v for k, v in variant.items() if k != "store"}
         relay_option = variant.get("relay", "auto")  # decided below (_relay_choice), once the walk is known
-        variant = {k: v for k, v in variant.items() if k != "relay"}
+        relay_knobs = {k: variant[k] for k in ("relay_start", "relay_wait") if k in variant}  # the tail kernel's
+        if relay_knobs.get("relay_wait", True) is not True and wait:
+            raise ValueError("relay_wait=False (a benchmark control) may send the shadow before it is written: pass "
+                             "wait=False")
+        variant = {k: v for k, v in variant.items() if k not in ("relay", "relay_start", "relay_wait")}
         st = self.state(q)
         b, s, h_loc, d = q.shape
         n_tiles = (s // TILE_M) * h_loc * b
@@ -419,7 +423,7 @@ class FusedAttentionA2A:
             rounds_ptrs, tail_ptrs, tail_relay = out_ptrs, split_ptrs, {}
             if relay:  # the rounds kernel's peer tiles to local shadows, sent on by the tail kernel
                 rounds_ptrs, tail_ptrs = self._relay_ptrs(st, self_store, n_tiles, grid, split_ptrs)
-                tail_relay = {"relay": True}
+                tail_relay = {"relay": True, **relay_knobs}
             launches = ((_kernel(q.dtype, d, mode, False, n_dst=self.world, walk="rounds", **walk), rounds_ptrs),
                         (_kernel(q.dtype, d, mode, False, n_dst=self.world, walk="tail", tail_split=True,
                                  **{**_tail_knobs(walk, True), "signal": tail_signal, **tail_relay}), tail_ptrs))

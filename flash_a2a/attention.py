@@ -163,7 +163,8 @@ class FlashAttentionA2AForward:
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
                  tail_split: bool = False, walk: str = "all", turn_destinations: bool = False,
-                 cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 8.0, relay: bool = False):
+                 cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 8.0, relay: bool = False,
+                 relay_start: int = RELAY_START_KV, relay_wait: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -267,6 +268,14 @@ class FlashAttentionA2AForward:
             raise ValueError("relay=True copies the rounds kernel's peer tiles on from the fused tail launch: use it "
                              "with walk='tail', mode='piggyback' and n_dst >= 2")
         self.relay = bool(relay)
+        # relay_start: the KV block of the chunk's Q-loop at which the first relay event (its grid-dependency wait
+        # and first load) runs; a measured knob.
+        if not (isinstance(relay_start, int) and 1 <= relay_start <= 64):
+            raise ValueError(f"relay_start must be an int in 1..64 (KV blocks), got {relay_start!r}")
+        self.relay_start = relay_start
+        # relay_wait=False (a benchmark control, never for real output: the shadow may not be written yet): the
+        # relay without its grid-dependency wait, to price that wait.
+        self.relay_wait = bool(relay_wait)
         # cross_halves: the "crossed" tile walk (flash_a2a.mapping.tile_halves): the two MMA warpgroups of a tile
         # take 64-row blocks of different ranks' slices (Q comes in two 64-row TMA loads), so a tile sends at
         # most half of itself to a peer, and the remote tiles are spread evenly over the rounds before the
@@ -787,8 +796,9 @@ class FlashAttentionA2AForward:
         to the next event."""
         out_ptrs, first, n_steps, total, world, rank, batch, rows_per_rank, h_loc, thr, rv = relay
         vpr = self.head_dim // self.vec
-        if n == 0:
-            cute.arch.griddepcontrol_wait()
+        if const_expr(self.relay_wait):
+            if n == 0:
+                cute.arch.griddepcontrol_wait()
         if n >= 1:
             v = (first + n - 1) * RELAY_THREADS + thr
             if v < total:
@@ -821,7 +831,7 @@ class FlashAttentionA2AForward:
         """One KV block n >= 1 of the overlapped Q-loop: S = Q Kₙᵀ issued with block n-1's O += P V.
         ``drip`` (store="paced"): on every pace_kv-th ``block`` (counted from 0) of the first n_groups·pace_kv,
         also store the next vector of the previous tile's rows from sO. ``relay`` (relay=True): on every
-        RELAY_PACE_KV-th ``block`` from RELAY_START_KV below ``relay_end``, the next relay event."""
+        RELAY_PACE_KV-th ``block`` from ``relay_start`` below ``relay_end``, the next relay event."""
         other = 1 - wg
         kv_v = kv_state.clone()
         kv_state.advance()
@@ -842,9 +852,9 @@ class FlashAttentionA2AForward:
                 elif block % self.pace_kv == 0:
                     self.store_chunk(*drip, block // self.pace_kv)
         if const_expr(relay is not None):
-            if block >= RELAY_START_KV and block < relay_end:
-                if (block - RELAY_START_KV) % RELAY_PACE_KV == 0:
-                    self.relay_event((block - RELAY_START_KV) // RELAY_PACE_KV, relay)
+            if block >= self.relay_start and block < relay_end:
+                if (block - self.relay_start) % RELAY_PACE_KV == 0:
+                    self.relay_event((block - self.relay_start) // RELAY_PACE_KV, relay)
         warpgroup.wait_group(1)  # S ready; PV may still run
         if const_expr(not self.pin_softmax):
             pipe_k.consumer_release(kv_state)
@@ -921,7 +931,7 @@ class FlashAttentionA2AForward:
             # relay=True: the events under a predicate in the one loop (peeled into a loop of their own, as
             # peel_drip does, ptxas scheduled the plain loop's softmax worse: 47 of 66 exponentials ahead of the
             # PV wait instead of the tail kernel's 53; in the one loop it keeps 53)
-            relay_end = cutlass.min(Int32(1), n_relay) * (RELAY_START_KV + RELAY_PACE_KV * (n_relay - 1) + 1)
+            relay_end = cutlass.min(Int32(1), n_relay) * (self.relay_start + RELAY_PACE_KV * (n_relay - 1) + 1)
             for i in cutlass.range(n_kv - 1, unroll=1):
                 kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
                                                  tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg,
@@ -1105,7 +1115,8 @@ class FlashAttentionA2AForward:
                                                   wg, (g_copy, thr_g, tGsO, pend_addr, heads), n_groups,
                                                   pend * chunks)
             elif const_expr(self.relay):
-                n_relay = relay_events_in_loop(n_this, r_steps) * (1 - cutlass.min(Int32(1), r_done))
+                n_relay = (relay_events_in_loop(n_this, r_steps, self.relay_start)
+                           * (1 - cutlass.min(Int32(1), r_done)))
                 kv_state = self.q_loop_overlapped(softmax, acc_o, tOrP, tSrQ_t, tSrK, tOrVt, tiled_mma_qk,
                                                   tiled_mma_pv, pipe_q, q_state, pipe_k, pipe_v, kv_state, n_this,
                                                   wg, relay=relay, n_relay=n_relay)

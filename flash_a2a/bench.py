@@ -186,11 +186,11 @@ def variant_output_errors(variants: dict, run_fused, run_fa, ref_fused, ref_fa) 
     """Max |output − reference| of every ``--variants`` column, so a faster variant that computes something
     else shows. Fused variants (``run_fused(knobs)``: the completed post-A2A output) against ``ref_fused`` (our
     default FA-only + the reference All-to-All), FA-only ones (``run_fa(knobs)``) against ``ref_fa``. The
-    controls whose output is not the attention (``self_store``, a ``signal`` other than True: nothing or the
-    wrong rows arrive) are left out; a variant that fails records its error instead of stopping the run."""
+    controls whose output is not the attention (``self_store``, a ``signal`` other than True, ``relay_wait=False``:
+    nothing, the wrong rows or stale rows arrive) are left out; a variant that fails records its error instead of stopping the run."""
     errors = {}
     for name, knobs in variants.items():
-        if knobs.get("self_store") or knobs.get("signal", True) is not True:
+        if knobs.get("self_store") or knobs.get("signal", True) is not True or knobs.get("relay_wait") is False:
             continue
         try:
             got, ref = (run_fused(knobs), ref_fused) if "mode" in knobs else (run_fa(knobs), ref_fa)

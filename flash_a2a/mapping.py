@@ -402,11 +402,11 @@ def relay_offset(row, w, world, rank, h_loc, head_dim, vec):
     return (row * (h_loc * world) + rank * h_loc) * head_dim + w * vec
 
 
-def relay_events_in_loop(n_kv_chunk, n_steps):
+def relay_events_in_loop(n_kv_chunk, n_steps, start=RELAY_START_KV):
     """How many of a CTA's n_steps + 1 relay events (event n stores step n - 1 and loads step n) fall inside
     a Q-loop of ``n_kv_chunk`` KV blocks: one every RELAY_PACE_KV of its overlapped blocks i = 0 .. n_kv_chunk - 2,
-    from i = RELAY_START_KV on; the rest run right after the loop. Ints or DSL Int32."""
-    fits = cutlass_max(0, (n_kv_chunk - 1 - RELAY_START_KV + RELAY_PACE_KV - 1) // RELAY_PACE_KV)
+    from i = ``start`` on; the rest run right after the loop. Ints or DSL Int32."""
+    fits = cutlass_max(0, (n_kv_chunk - 1 - start + RELAY_PACE_KV - 1) // RELAY_PACE_KV)
     return cutlass_min(n_steps + 1, fits)
 
 

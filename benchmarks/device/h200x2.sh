@@ -144,6 +144,10 @@ for stage in $stages; do
       # rounds kernel), relay off, relay forced (12 heads: five rounds, every peer tile through the shadow), and
       # the self-store controls of both, at M = $FADIAG_SEQ (default 8K), 32 adjacent pairs each.
       pair_diag fused_relay farelay "8192" '{"norelay":{"mode":"piggyback","relay":false},"relay":{"mode":"piggyback","relay":true},"self":{"mode":"piggyback","self_store":true,"relay":false},"self_relay":{"mode":"piggyback","self_store":true,"relay":true}}' fa4 serial_fa4_nccl ;;
+    farelaystart)
+      # the relay's first event (its griddepcontrol.wait and first load) at KV block 2 (the default), 8 and 16 of
+      # the chunk's Q-loop, without the wait (a control), and the self-store controls, at 3 heads/8K
+      pair_diag fused_relay_start farelaystart "8192" '{"norelay":{"mode":"piggyback","relay":false},"relay8":{"mode":"piggyback","relay":true,"relay_start":8},"relay16":{"mode":"piggyback","relay":true,"relay_start":16},"nowait":{"mode":"piggyback","relay":true,"relay_wait":false},"self":{"mode":"piggyback","self_store":true,"relay":false},"self_relay8":{"mode":"piggyback","self_store":true,"relay":true,"relay_start":8},"self_nowait":{"mode":"piggyback","self_store":true,"relay":true,"relay_wait":false}}' fa4 serial_fa4_nccl --heads-per-rank 3 ;;
     fasplitgpu)
       # the fused split-tail GPU test alone (relay, TMA/bulk rounds, graph replays): a quick check before the rest
       timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -x -rs tests/test_flash_attention.py -k \
