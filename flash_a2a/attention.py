@@ -46,7 +46,8 @@ from quack.cute_dsl_utils import ParamsBase
 from cute_kernels.flags import nanosleep
 from flash_a2a.epoch import announce_ready, await_all_ready, await_ready_here, publish_done, publish_peers_done
 from flash_a2a.mapping import (RELAY_PACE_KV, RELAY_START_KV, RELAY_THREADS, early_done_arrival,  # the kernel's
-                              relay_events_in_loop, relay_offset, relay_share, relay_slot, tile_coords,  # walks,
+                              relay_advance, relay_cursor, relay_events_in_loop, relay_offset, relay_share,
+                              relay_slot, tile_coords,  # walks,
                               tile_halves, tail_split_units, unit_work)  # shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
@@ -164,7 +165,7 @@ class FlashAttentionA2AForward:
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
                  tail_split: bool = False, walk: str = "all", turn_destinations: bool = False,
                  cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 8.0, relay: bool = False,
-                 relay_start: int = RELAY_START_KV, relay_wait: bool = True):
+                 relay_start: int = RELAY_START_KV, relay_wait: bool = True, relay_cursor: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -276,6 +277,10 @@ class FlashAttentionA2AForward:
         # relay_wait=False (a benchmark control, never for real output: the shadow may not be written yet): the
         # relay without its grid-dependency wait, to price that wait.
         self.relay_wait = bool(relay_wait)
+        # relay_cursor (a measured alternative): each thread steps its relay vector on with a cursor
+        # (mapping.relay_advance) instead of two divisions per address (relay_slot); ptxas then schedules the KV
+        # loop's softmax worse (47 of 66 exponentials ahead of the PV wait instead of 53).
+        self.relay_cursor = bool(relay_cursor)
         # cross_halves: the "crossed" tile walk (flash_a2a.mapping.tile_halves): the two MMA warpgroups of a tile
         # take 64-row blocks of different ranks' slices (Q comes in two 64-row TMA loads), so a tile sends at
         # most half of itself to a peer, and the remote tiles are spread evenly over the rounds before the
@@ -507,6 +512,15 @@ class FlashAttentionA2AForward:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
 
+        if const_expr(self.relay):
+            @cute.struct
+            class RelayStorage:
+                main: SharedStorage
+                # the relay's destinations and shadows, read from shared memory at each event
+                relay_ptrs: cute.struct.Align[cute.struct.MemRange[Int64, 2 * self.n_dst], 16]
+
+            SharedStorage = RelayStorage
+
         if const_expr(self.smem_pad_kib > 0):
             @cute.struct
             class PaddedStorage:
@@ -547,6 +561,10 @@ class FlashAttentionA2AForward:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         if const_expr(self.smem_pad_kib > 0):
+            storage = storage.main
+        s_relay = None
+        if const_expr(self.relay):
+            s_relay = storage.relay_ptrs.get_tensor(cute.make_layout(2 * self.n_dst))
             storage = storage.main
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4)
@@ -627,7 +645,7 @@ class FlashAttentionA2AForward:
                           sQ, sK, sV,
                           sO, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world,
                           timeout_ns, n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx - WG_THREADS,
-                          bidx, grid, tail_k)
+                          bidx, grid, tail_k, s_relay)
 
     def walk_bounds(self, n_tiles, grid, tail_k):
         """(first unit, units walked, whole tiles, chunks per split tile) of the persistent walk, the same for
@@ -788,13 +806,20 @@ class FlashAttentionA2AForward:
         cute.autovec_copy(src, vec)
         cute.copy(g_copy, vec, thr_g.partition_D(g_dst)[None, chunk, None])
 
-    @cute.jit
     def relay_event(self, n, relay):
+        """relay=True: event ``n`` (relay_cursor: relay_event_cursor, else relay_event_slot)."""
+        if const_expr(self.relay_cursor):
+            self.relay_event_cursor(n, relay)
+        else:
+            self.relay_event_slot(n, relay)
+
+    @cute.jit
+    def relay_event_slot(self, n, relay):
         """relay=True: event ``n`` of this thread's share (mapping.relay_events_in_loop): the vector loaded at
         event n - 1 goes to its peer, then the next is loaded from the shadow, the first after griddepcontrol.wait
         (the rounds kernel complete, its shadow stores visible). A load's latency passes under the KV blocks up
-        to the next event."""
-        out_ptrs, first, n_steps, total, world, rank, batch, rows_per_rank, h_loc, thr, rv = relay
+        to the next event; the addresses come from shared memory."""
+        ptrs, first, n_steps, total, world, rank, batch, rows_per_rank, h_loc, thr, rv = relay
         vpr = self.head_dim // self.vec
         if const_expr(self.relay_wait):
             if n == 0:
@@ -804,7 +829,7 @@ class FlashAttentionA2AForward:
             if v < total:
                 j, row, w = relay_slot(v, world, rank, batch, rows_per_rank, h_loc, vpr)
                 off = relay_offset(Int64(row), w, world, rank, h_loc, self.head_dim, self.vec)
-                dst = cute.make_ptr(self.dtype, out_ptrs[j], cute.AddressSpace.gmem, assumed_align=16)
+                dst = cute.make_ptr(self.dtype, ptrs[j], cute.AddressSpace.gmem, assumed_align=16)
                 cute.autovec_copy(rv, cute.make_tensor(dst + cute.assume(off, divby=self.vec),
                                                        cute.make_layout(self.vec)))
         if n < n_steps:
@@ -812,10 +837,43 @@ class FlashAttentionA2AForward:
             if v < total:
                 j, row, w = relay_slot(v, world, rank, batch, rows_per_rank, h_loc, vpr)
                 off = relay_offset(Int64(row), w, world, rank, h_loc, self.head_dim, self.vec)
-                src = cute.make_ptr(self.dtype, out_ptrs[self.n_dst + 3 + j], cute.AddressSpace.gmem,
-                                    assumed_align=16)
+                src = cute.make_ptr(self.dtype, ptrs[self.n_dst + j], cute.AddressSpace.gmem, assumed_align=16)
                 cute.autovec_copy(cute.make_tensor(src + cute.assume(off, divby=self.vec), cute.make_layout(self.vec)),
                                   rv)
+
+    @cute.jit
+    def relay_event_cursor(self, n, relay):
+        """relay=True: event ``n`` of this thread's share (mapping.relay_events_in_loop; events run once each, in
+        order): the vector loaded at event n - 1 goes to its peer, then the next is loaded from the shadow, the
+        first after griddepcontrol.wait (the rounds kernel complete, its shadow stores visible). A load's latency
+        passes under the KV blocks up to the next event. The thread's vector steps on by RELAY_THREADS through a
+        cursor (mapping.relay_advance: no division per event) and the addresses come from shared memory."""
+        ptrs, n_steps, total, world, rank, h_loc, run_len, runs, row_step, w_step, rv, cur, pending = relay
+        if const_expr(self.relay_wait):
+            if n == 0:
+                cute.arch.griddepcontrol_wait()
+        if n >= 1:
+            if cur[4] >= 0:  # the peer of the vector loaded last (-1: none)
+                dst = cute.make_ptr(self.dtype, ptrs[cur[4]], cute.AddressSpace.gmem, assumed_align=16)
+                cute.autovec_copy(rv, cute.make_tensor(dst + cute.assume(pending[0], divby=self.vec),
+                                                       cute.make_layout(self.vec)))
+        cur[4] = Int32(-1)
+        if n < n_steps:
+            v, i, row, w = cur[0], cur[1], cur[2], cur[3]
+            if v < total:
+                j = rank + 1 + i
+                j = j - world * cutlass.min(Int32(1), cutlass.max(Int32(0), j - world + 1))  # (rank + 1 + i) % P
+                off = relay_offset(Int64(row), w, world, rank, h_loc, self.head_dim, self.vec)
+                src = cute.make_ptr(self.dtype, ptrs[self.n_dst + j], cute.AddressSpace.gmem, assumed_align=16)
+                cute.autovec_copy(cute.make_tensor(src + cute.assume(off, divby=self.vec), cute.make_layout(self.vec)),
+                                  rv)
+                cur[4] = j
+                pending[0] = off
+            i, row, w = relay_advance(i, row, w, run_len, runs, row_step, w_step)
+            cur[0] = v + RELAY_THREADS
+            cur[1] = i
+            cur[2] = row
+            cur[3] = w
 
     def wait_stage(self, pipe, state):
         """Wait for a K or V stage of the overlapped Q-loop (``try_wait``: probe first, FA4's pattern)."""
@@ -1039,7 +1097,7 @@ class FlashAttentionA2AForward:
     def consumer(self, mO, out_ptrs, flag_ptrs, flags, epoch, counter, errors, spans, tma_os, gO_tmas,
                  sQ, sK, sV,
                  sO, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, rank, world, timeout_ns,
-                 n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx, bidx, grid, tail_k=None):
+                 n_tiles, n_kv, n_mb_per_rank, h_loc, seq, tidx, bidx, grid, tail_k=None, s_relay=None):
         d = self.head_dim
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_layout = cute.make_layout(self.num_mma_wg, stride=WG_THREADS)
@@ -1086,8 +1144,32 @@ class FlashAttentionA2AForward:
             n_batch = n_tiles // (n_mb_per_rank * world * h_loc)
             r_first, r_steps, r_total = relay_share(Int32(bidx), Int32(grid), world, n_batch, r_rows, h_loc,
                                                     d // self.vec)
-            relay = (out_ptrs, r_first, r_steps, r_total, world, rank, n_batch, r_rows, h_loc, tidx,
-                     cute.make_rmem_tensor(self.vec, self.dtype))
+            # The destinations and shadows into shared memory once: each event's address then waits for a
+            # shared-memory load, not for a dependent global one (at 00ae64c, global, the relay cost +5 µs at
+            # 3 heads/8K, NVLink or not: two dependent pointer loads per event ahead of the softmax).
+            if tidx < 2 * self.n_dst:
+                s_relay[tidx] = out_ptrs[tidx + (tidx // self.n_dst) * 3]  # [n_dst + 3, 2 n_dst + 3): shadows
+            cute.arch.barrier(barrier_id=TAIL_BARRIER, number_of_threads=self.num_mma_wg * WG_THREADS)
+            if const_expr(self.relay_cursor):
+                # the thread's cursor: (next vector, its peer index, row, w, the pending vector's peer or -1), and the
+                # pending vector's element offset
+                cur = cute.make_rmem_tensor(5, Int32)
+                rc_v = r_first * RELAY_THREADS + tidx
+                rc_i, rc_row, rc_w = relay_cursor(rc_v, n_batch, r_rows, h_loc, d // self.vec)
+                cur[0] = rc_v
+                cur[1] = rc_i
+                cur[2] = rc_row
+                cur[3] = rc_w
+                cur[4] = Int32(-1)
+                pending = cute.make_rmem_tensor(1, Int64)
+                pending[0] = Int64(0)
+                run_len = h_loc * (d // self.vec)
+                relay = (s_relay, r_steps, r_total, world, rank, h_loc, run_len, n_batch * r_rows,
+                         RELAY_THREADS // run_len, RELAY_THREADS % run_len, cute.make_rmem_tensor(self.vec, self.dtype),
+                         cur, pending)
+            else:
+                relay = (s_relay, r_first, r_steps, r_total, world, rank, n_batch, r_rows, h_loc, tidx,
+                         cute.make_rmem_tensor(self.vec, self.dtype))
             r_done = Int32(0)  # 1 once this CTA's share is out (in its first unit's Q-loop and right after it)
         for u in cutlass.range(first + Int32(bidx), n_walk, Int32(grid), unroll=1):
             t = u

@@ -388,12 +388,33 @@ def relay_slot(v, world, rank, batch, rows_per_rank, h_loc, vec_per_row):
     this rank's H/P heads): the vector sits at element offset ``relay_offset(r, w, ...)`` of both the shadow
     and peer j's buffer. Peers in order rank+1, rank+2, ...; within a peer, rows in memory order, each row's
     h_loc·d contiguous elements of this rank's heads. Ints or DSL Int32."""
+    i, row, w = relay_cursor(v, batch, rows_per_rank, h_loc, vec_per_row)
+    return (rank + 1 + i) % world, row, w
+
+
+def relay_cursor(v, batch, rows_per_rank, h_loc, vec_per_row):
+    """Relay vector ``v`` -> (peer index i: peer rank (rank + 1 + i) % world, row, w) (``relay_slot``; the
+    kernel's events step it on with ``relay_advance``). Ints or DSL Int32."""
     run_len = h_loc * vec_per_row
     run = v // run_len
-    w = v - run * run_len
     runs = batch * rows_per_rank
     i = run // runs
-    return (rank + 1 + i) % world, run - i * runs, w
+    return i, run - i * runs, v - run * run_len
+
+
+def relay_advance(i, row, w, run_len, runs, row_step, w_step):
+    """Relay_slot's (peer index i, row, w) of vector v -> those of v + RELAY_THREADS, without a division (the
+    kernel's events step each thread's vector so): w moves by ``w_step`` = RELAY_THREADS % run_len and row by
+    ``row_step`` = RELAY_THREADS // run_len (``run_len`` = h_loc·vec_per_row, ``runs`` = b·S/P rows per peer, at
+    least 128, so a step carries at most one row and one peer). The peer rank is (rank + 1 + i) % world.
+    Ints or DSL Int32."""
+    w = w + w_step
+    row = row + row_step
+    carry = cutlass_min(1, cutlass_max(0, w - run_len + 1))
+    w = w - carry * run_len
+    row = row + carry
+    carry = cutlass_min(1, cutlass_max(0, row - runs + 1))
+    return i + carry, row - carry * runs, w
 
 
 def relay_offset(row, w, world, rank, h_loc, head_dim, vec):
