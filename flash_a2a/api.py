@@ -379,12 +379,11 @@ class FusedAttentionA2A:
         if variant.get("store") == "auto":  # the default, decided per walk below (_store_choice)
             variant = {k: v for k, v in variant.items() if k != "store"}
         relay_option = variant.get("relay", "auto")  # decided below (_relay_choice), once the walk is known
-        relay_knobs = {k: variant[k] for k in ("relay_start", "relay_wait", "relay_cursor")
-                       if k in variant}  # the tail kernel's
+        relay_knobs = {k: variant[k] for k in ("relay_start", "relay_wait") if k in variant}  # the tail kernel's
         if relay_knobs.get("relay_wait", True) is not True and wait:
             raise ValueError("relay_wait=False (a benchmark control) may send the shadow before it is written: pass "
                              "wait=False")
-        variant = {k: v for k, v in variant.items() if k not in ("relay", "relay_start", "relay_wait", "relay_cursor")}
+        variant = {k: v for k, v in variant.items() if k not in ("relay", "relay_start", "relay_wait")}
         st = self.state(q)
         b, s, h_loc, d = q.shape
         n_tiles = (s // TILE_M) * h_loc * b

@@ -47,7 +47,7 @@ from cute_kernels.flags import nanosleep
 from flash_a2a.epoch import announce_ready, await_all_ready, await_ready_here, publish_done, publish_peers_done
 from flash_a2a.mapping import (RELAY_PACE_KV, RELAY_START_KV, RELAY_THREADS, early_done_arrival,  # the kernel's
                               relay_advance, relay_cursor, relay_events_in_loop, relay_offset, relay_share,
-                              relay_slot, tile_coords,  # walks,
+                              tile_coords,  # walks,
                               tile_halves, tail_split_units, unit_work)  # shared with the host
 
 MODES = ("local", "piggyback", "completion_coupled")
@@ -165,7 +165,7 @@ class FlashAttentionA2AForward:
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
                  tail_split: bool = False, walk: str = "all", turn_destinations: bool = False,
                  cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 8.0, relay: bool = False,
-                 relay_start: int = RELAY_START_KV, relay_wait: bool = True, relay_cursor: bool = False):
+                 relay_start: int = RELAY_START_KV, relay_wait: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -263,6 +263,11 @@ class FlashAttentionA2AForward:
         # 16 B vector each every RELAY_PACE_KV KV blocks of their first chunk's Q-loop (mapping.relay_share,
         # relay_slot), before the flags it raises. A one-round rounds kernel has no next tile to pace its peer
         # tiles under; this way the burst goes to local HBM and the NVLink stores drip under the tail's compute.
+        # What an event costs the chunk's Q-loop is what decides (3 heads/8K on 2 x H200, fused - FA-only with
+        # 32 adjacent pairs, flash_a2a_variants/fused_relay_*.json): with global pointer loads per address, +7.3 µs
+        # against the burst's +6.3, its self-store control +7.4 (the burst's +2.2): NVLink gone, the event's
+        # dependent loads ahead of the softmax; pointers in shared memory but two divisions per address, +7.5;
+        # a division-free cursor (mapping.relay_advance), +3.7 against +7.0, self-store +3.7 against +2.1.
         if relay not in (True, False):
             raise ValueError(f"relay must be True or False, got {relay!r}")
         if relay and (walk != "tail" or mode != "piggyback" or n_dst < 2):
@@ -277,10 +282,6 @@ class FlashAttentionA2AForward:
         # relay_wait=False (a benchmark control, never for real output: the shadow may not be written yet): the
         # relay without its grid-dependency wait, to price that wait.
         self.relay_wait = bool(relay_wait)
-        # relay_cursor (a measured alternative): each thread steps its relay vector on with a cursor
-        # (mapping.relay_advance) instead of two divisions per address (relay_slot); ptxas then schedules the KV
-        # loop's softmax worse (47 of 66 exponentials ahead of the PV wait instead of 53).
-        self.relay_cursor = bool(relay_cursor)
         # cross_halves: the "crossed" tile walk (flash_a2a.mapping.tile_halves): the two MMA warpgroups of a tile
         # take 64-row blocks of different ranks' slices (Q comes in two 64-row TMA loads), so a tile sends at
         # most half of itself to a peer, and the remote tiles are spread evenly over the rounds before the
@@ -806,43 +807,8 @@ class FlashAttentionA2AForward:
         cute.autovec_copy(src, vec)
         cute.copy(g_copy, vec, thr_g.partition_D(g_dst)[None, chunk, None])
 
+    @cute.jit
     def relay_event(self, n, relay):
-        """relay=True: event ``n`` (relay_cursor: relay_event_cursor, else relay_event_slot)."""
-        if const_expr(self.relay_cursor):
-            self.relay_event_cursor(n, relay)
-        else:
-            self.relay_event_slot(n, relay)
-
-    @cute.jit
-    def relay_event_slot(self, n, relay):
-        """relay=True: event ``n`` of this thread's share (mapping.relay_events_in_loop): the vector loaded at
-        event n - 1 goes to its peer, then the next is loaded from the shadow, the first after griddepcontrol.wait
-        (the rounds kernel complete, its shadow stores visible). A load's latency passes under the KV blocks up
-        to the next event; the addresses come from shared memory."""
-        ptrs, first, n_steps, total, world, rank, batch, rows_per_rank, h_loc, thr, rv = relay
-        vpr = self.head_dim // self.vec
-        if const_expr(self.relay_wait):
-            if n == 0:
-                cute.arch.griddepcontrol_wait()
-        if n >= 1:
-            v = (first + n - 1) * RELAY_THREADS + thr
-            if v < total:
-                j, row, w = relay_slot(v, world, rank, batch, rows_per_rank, h_loc, vpr)
-                off = relay_offset(Int64(row), w, world, rank, h_loc, self.head_dim, self.vec)
-                dst = cute.make_ptr(self.dtype, ptrs[j], cute.AddressSpace.gmem, assumed_align=16)
-                cute.autovec_copy(rv, cute.make_tensor(dst + cute.assume(off, divby=self.vec),
-                                                       cute.make_layout(self.vec)))
-        if n < n_steps:
-            v = (first + n) * RELAY_THREADS + thr
-            if v < total:
-                j, row, w = relay_slot(v, world, rank, batch, rows_per_rank, h_loc, vpr)
-                off = relay_offset(Int64(row), w, world, rank, h_loc, self.head_dim, self.vec)
-                src = cute.make_ptr(self.dtype, ptrs[self.n_dst + j], cute.AddressSpace.gmem, assumed_align=16)
-                cute.autovec_copy(cute.make_tensor(src + cute.assume(off, divby=self.vec), cute.make_layout(self.vec)),
-                                  rv)
-
-    @cute.jit
-    def relay_event_cursor(self, n, relay):
         """relay=True: event ``n`` of this thread's share (mapping.relay_events_in_loop; events run once each, in
         order): the vector loaded at event n - 1 goes to its peer, then the next is loaded from the shadow, the
         first after griddepcontrol.wait (the rounds kernel complete, its shadow stores visible). A load's latency
@@ -1145,31 +1111,27 @@ class FlashAttentionA2AForward:
             r_first, r_steps, r_total = relay_share(Int32(bidx), Int32(grid), world, n_batch, r_rows, h_loc,
                                                     d // self.vec)
             # The destinations and shadows into shared memory once: each event's address then waits for a
-            # shared-memory load, not for a dependent global one (at 00ae64c, global, the relay cost +5 µs at
-            # 3 heads/8K, NVLink or not: two dependent pointer loads per event ahead of the softmax).
+            # shared-memory load, not for a dependent global one (two per event ahead of the softmax cost ~5 µs).
             if tidx < 2 * self.n_dst:
                 s_relay[tidx] = out_ptrs[tidx + (tidx // self.n_dst) * 3]  # [n_dst + 3, 2 n_dst + 3): shadows
             cute.arch.barrier(barrier_id=TAIL_BARRIER, number_of_threads=self.num_mma_wg * WG_THREADS)
-            if const_expr(self.relay_cursor):
-                # the thread's cursor: (next vector, its peer index, row, w, the pending vector's peer or -1), and the
-                # pending vector's element offset
-                cur = cute.make_rmem_tensor(5, Int32)
-                rc_v = r_first * RELAY_THREADS + tidx
-                rc_i, rc_row, rc_w = relay_cursor(rc_v, n_batch, r_rows, h_loc, d // self.vec)
-                cur[0] = rc_v
-                cur[1] = rc_i
-                cur[2] = rc_row
-                cur[3] = rc_w
-                cur[4] = Int32(-1)
-                pending = cute.make_rmem_tensor(1, Int64)
-                pending[0] = Int64(0)
-                run_len = h_loc * (d // self.vec)
-                relay = (s_relay, r_steps, r_total, world, rank, h_loc, run_len, n_batch * r_rows,
-                         RELAY_THREADS // run_len, RELAY_THREADS % run_len, cute.make_rmem_tensor(self.vec, self.dtype),
-                         cur, pending)
-            else:
-                relay = (s_relay, r_first, r_steps, r_total, world, rank, n_batch, r_rows, h_loc, tidx,
-                         cute.make_rmem_tensor(self.vec, self.dtype))
+            # the thread's cursor (mapping.relay_cursor, stepped by relay_advance: no division per event; two per
+            # address cost ~4 µs): (next vector, its peer index, row, w, the pending vector's peer or -1), and the
+            # pending vector's element offset
+            cur = cute.make_rmem_tensor(5, Int32)
+            rc_v = r_first * RELAY_THREADS + tidx
+            rc_i, rc_row, rc_w = relay_cursor(rc_v, n_batch, r_rows, h_loc, d // self.vec)
+            cur[0] = rc_v
+            cur[1] = rc_i
+            cur[2] = rc_row
+            cur[3] = rc_w
+            cur[4] = Int32(-1)
+            pending = cute.make_rmem_tensor(1, Int64)
+            pending[0] = Int64(0)
+            run_len = h_loc * (d // self.vec)
+            relay = (s_relay, r_steps, r_total, world, rank, h_loc, run_len, n_batch * r_rows,
+                     RELAY_THREADS // run_len, RELAY_THREADS % run_len, cute.make_rmem_tensor(self.vec, self.dtype),
+                     cur, pending)
             r_done = Int32(0)  # 1 once this CTA's share is out (in its first unit's Q-loop and right after it)
         for u in cutlass.range(first + Int32(bidx), n_walk, Int32(grid), unroll=1):
             t = u

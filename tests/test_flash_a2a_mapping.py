@@ -545,3 +545,23 @@ def test_relay_choice_and_its_refusals():
             _relay_choice(*args, 192, 132, 64, 2, 10 ** 6)
     with pytest.raises(ValueError, match="32-bit"):
         _relay_choice(True, "piggyback", "launch", {}, 192, 132, 64, 2, 2 ** 31)
+
+
+def test_relay_cursor_steps_like_relay_slot():
+    """The kernel's division-free relay cursor (relay_cursor, then relay_advance by RELAY_THREADS vectors per
+    event) names the same (peer, row, w) as relay_slot for every vector it passes, at random shapes and world
+    sizes (peer boundaries and row wraps included)."""
+    from flash_a2a.mapping import RELAY_THREADS, relay_advance, relay_cursor, relay_slot
+
+    rng = random.Random()
+    for _ in range(200):
+        world, b, h_loc = rng.randint(2, 5), rng.randint(1, 3), rng.randint(1, 5)
+        rank, rows, vpr = rng.randrange(world), 128 * rng.randint(1, 4), rng.choice([8, 16])
+        total = (world - 1) * b * rows * h_loc * vpr
+        v = rng.randrange(min(total, 5000))
+        i, row, w = relay_cursor(v, b, rows, h_loc, vpr)
+        run_len, runs = h_loc * vpr, b * rows
+        while v < total:
+            assert relay_slot(v, world, rank, b, rows, h_loc, vpr) == ((rank + 1 + i) % world, row, w), v
+            i, row, w = relay_advance(i, row, w, run_len, runs, RELAY_THREADS // run_len, RELAY_THREADS % run_len)
+            v += RELAY_THREADS

@@ -148,11 +148,6 @@ for stage in $stages; do
       # the relay's first event (its griddepcontrol.wait and first load) at KV block 2 (the default), 8 and 16 of
       # the chunk's Q-loop, without the wait (a control), and the self-store controls, at 3 heads/8K
       pair_diag fused_relay_start farelaystart "8192" '{"norelay":{"mode":"piggyback","relay":false},"relay8":{"mode":"piggyback","relay":true,"relay_start":8},"relay16":{"mode":"piggyback","relay":true,"relay_start":16},"nowait":{"mode":"piggyback","relay":true,"relay_wait":false},"self":{"mode":"piggyback","self_store":true,"relay":false},"self_relay8":{"mode":"piggyback","self_store":true,"relay":true,"relay_start":8},"self_nowait":{"mode":"piggyback","self_store":true,"relay":true,"relay_wait":false}}' fa4 serial_fa4_nccl --heads-per-rank 3 ;;
-    farelaylds)
-      # the relay with its addresses from shared memory (after 6ae4df3): the default (divisions per address, KV loop
-      # 53 of 66), its cursor form (relay_cursor: no division, 47 of 66), the first event at KV block 8, and the
-      # self-store controls, at 3 heads/8K
-      pair_diag fused_relay_lds farelaylds "8192" '{"norelay":{"mode":"piggyback","relay":false},"cursor":{"mode":"piggyback","relay":true,"relay_cursor":true},"relay8":{"mode":"piggyback","relay":true,"relay_start":8},"self":{"mode":"piggyback","self_store":true,"relay":false},"self_relay":{"mode":"piggyback","self_store":true,"relay":true},"self_cursor":{"mode":"piggyback","self_store":true,"relay":true,"relay_cursor":true}}' fa4 serial_fa4_nccl --heads-per-rank 3 ;;
     fasplitgpu)
       # the fused split-tail GPU test alone (relay, TMA/bulk rounds, graph replays): a quick check before the rest
       timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -x -rs tests/test_flash_attention.py -k \
