@@ -264,10 +264,10 @@ class FlashAttentionA2AForward:
         # relay_slot), before the flags it raises. A one-round rounds kernel has no next tile to pace its peer
         # tiles under; this way the burst goes to local HBM and the NVLink stores drip under the tail's compute.
         # What an event costs the chunk's Q-loop is what decides (3 heads/8K on 2 x H200, fused - FA-only with
-        # 32 adjacent pairs, flash_a2a_variants/fused_relay_*.json): with global pointer loads per address, +7.3 µs
-        # against the burst's +6.3, its self-store control +7.4 (the burst's +2.2): NVLink gone, the event's
-        # dependent loads ahead of the softmax; pointers in shared memory but two divisions per address, +7.5;
-        # a division-free cursor (mapping.relay_advance), +3.7 against +7.0, self-store +3.7 against +2.1.
+        # 32 adjacent pairs, flash_a2a_variants/fused_relay_*.json): with two divisions per address, +7.3-7.5 µs
+        # against the burst's +6.3-7.0, its self-store control +7.2-7.4 (the burst's +2.1): NVLink's part gone,
+        # the event's code in its place; a division-free cursor (mapping.relay_advance), +3.7 against +7.0,
+        # self-store +3.7 against +2.1.
         if relay not in (True, False):
             raise ValueError(f"relay must be True or False, got {relay!r}")
         if relay and (walk != "tail" or mode != "piggyback" or n_dst < 2):
@@ -1110,13 +1110,13 @@ class FlashAttentionA2AForward:
             n_batch = n_tiles // (n_mb_per_rank * world * h_loc)
             r_first, r_steps, r_total = relay_share(Int32(bidx), Int32(grid), world, n_batch, r_rows, h_loc,
                                                     d // self.vec)
-            # The destinations and shadows into shared memory once: each event's address then waits for a
-            # shared-memory load, not for a dependent global one (two per event ahead of the softmax cost ~5 µs).
+            # The destinations and shadows into shared memory once, so no event waits for a dependent global
+            # load (alone this measured no faster; the divisions were the cost, see relay_cursor below).
             if tidx < 2 * self.n_dst:
                 s_relay[tidx] = out_ptrs[tidx + (tidx // self.n_dst) * 3]  # [n_dst + 3, 2 n_dst + 3): shadows
             cute.arch.barrier(barrier_id=TAIL_BARRIER, number_of_threads=self.num_mma_wg * WG_THREADS)
             # the thread's cursor (mapping.relay_cursor, stepped by relay_advance: no division per event; two per
-            # address cost ~4 µs): (next vector, its peer index, row, w, the pending vector's peer or -1), and the
+            # address cost ~4 µs at 3 heads/8K): (next vector, its peer index, row, w, the pending vector's peer or -1), and the
             # pending vector's element offset
             cur = cute.make_rmem_tensor(5, Int32)
             rc_v = r_first * RELAY_THREADS + tidx
