@@ -141,8 +141,9 @@ for stage in $stages; do
     farelay)
       # relay (the launch split's rounds kernel stores its peer tiles into local shadows, the tail launch's MMA
       # threads send them on under their chunks' Q-loops): the default ("auto": relays at 3 heads/8K, the one-round
-      # rounds kernel), relay off, relay forced (12 heads: five rounds, every peer tile through the shadow), and
-      # the self-store controls of both, at M = $FADIAG_SEQ (default 8K), 32 adjacent pairs each.
+      # rounds kernel), relay off, relay forced (refused where the walk has no launch split, e.g. 12 heads/8K: the
+      # column then records the ValueError), and the self-store controls of both, at M = $FADIAG_SEQ (default 8K),
+      # 32 adjacent pairs each.
       pair_diag fused_relay farelay "8192" '{"norelay":{"mode":"piggyback","relay":false},"relay":{"mode":"piggyback","relay":true},"self":{"mode":"piggyback","self_store":true,"relay":false},"self_relay":{"mode":"piggyback","self_store":true,"relay":true}}' fa4 serial_fa4_nccl ;;
     farelaystart)
       # the relay's first event (its griddepcontrol.wait and first load) at KV block 2 (the default), 8 and 16 of
