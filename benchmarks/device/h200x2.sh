@@ -149,6 +149,11 @@ for stage in $stages; do
       # the relay's first event (its griddepcontrol.wait and first load) at KV block 2 (the default), 8 and 16 of
       # the chunk's Q-loop, without the wait (a control), and the self-store controls, at 3 heads/8K
       pair_diag fused_relay_start farelaystart "8192" '{"norelay":{"mode":"piggyback","relay":false},"relay8":{"mode":"piggyback","relay":true,"relay_start":8},"relay16":{"mode":"piggyback","relay":true,"relay_start":16},"nowait":{"mode":"piggyback","relay":true,"relay_wait":false},"self":{"mode":"piggyback","self_store":true,"relay":false},"self_relay8":{"mode":"piggyback","self_store":true,"relay":true,"relay_start":8},"self_nowait":{"mode":"piggyback","self_store":true,"relay":true,"relay_wait":false}}' fa4 serial_fa4_nccl --heads-per-rank 3 ;;
+    fa48parts)
+      # 12 heads/48K, where H measured 0.995, 0.873, 0.773 and 0.851 with the same kernels (3e0381a-5dbe015): the
+      # fused default beside its self-store control (no NVLink), 32 pairs each against FA-only, so a real NVLink
+      # residual (fused above self) can be told from the pairs' noise (the serial excess there: 764-940 µs)
+      pair_diag fa_48parts fa48parts "49152" '{"self":{"mode":"piggyback","self_store":true}}' fa4 --heads-per-rank 12 ;;
     fasplitgpu)
       # the fused split-tail GPU test alone (relay, TMA/bulk rounds, graph replays): a quick check before the rest
       timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -x -rs tests/test_flash_attention.py -k \
