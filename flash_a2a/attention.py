@@ -165,7 +165,7 @@ class FlashAttentionA2AForward:
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
                  tail_split: bool = False, walk: str = "all", turn_destinations: bool = False,
                  cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 8.0, relay: bool = False,
-                 relay_start: int = RELAY_START_KV, relay_wait: bool = True):
+                 relay_start: int = RELAY_START_KV, relay_wait: bool = True, store_cache: str = "wb"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if head_dim not in (64, 128):
@@ -192,6 +192,14 @@ class FlashAttentionA2AForward:
         # instead (half the vectors under the next tile's first GEMM, Q-loop untouched) left the NVLink part
         # as it was and moved the schedule all the same (fused_paced_split_405a9d8.json).
         self.store = store
+        # store_cache (a measured knob, store="st" only): the output stores' cache operator. "wb" (the default,
+        # plain st.global); "cs" (st.global.cs, streaming: evict-first in L2), so the output lines, which this
+        # kernel never reads again, leave L2 before the K/V blocks that later tiles read.
+        if store_cache not in ("wb", "cs"):
+            raise ValueError(f"store_cache must be 'wb' or 'cs', got {store_cache!r}")
+        if store_cache == "cs" and store != "st":
+            raise ValueError("store_cache='cs' sets the cache operator of the 'st' epilogue's stores: use store='st'")
+        self.store_cache = store_cache
         if store == "paced" and (mode != "piggyback" or not overlap):
             raise ValueError("store='paced' spreads a tile's stores over the next tile's overlapped Q-loop: "
                              "use it with mode='piggyback' and overlap=True")
@@ -1282,7 +1290,13 @@ class FlashAttentionA2AForward:
                             cute.arch.fence_acq_rel_sys()
                 else:
                     g_dst = cute.make_tensor(base, cute.make_layout((64, d), stride=(row_stride, 1)))
-                    cute.copy(g_copy, tGrO, thr_g.partition_D(g_dst))
+                    if const_expr(self.store_cache == "cs"):
+                        tGgO = thr_g.partition_D(g_dst)
+                        for c in cutlass.range_constexpr(chunks):
+                            words = cute.recast_tensor(tGrO[None, c, None], Int32).load()
+                            cute.arch.store(tGgO[None, c, None].iterator, words, cop="cs")
+                    else:
+                        cute.copy(g_copy, tGrO, thr_g.partition_D(g_dst))
                     if const_expr(self.mode == "completion_coupled"):
                         cute.arch.fence_acq_rel_sys()  # returns once this thread's stores are performed remotely
                 if const_expr(self.early_done == "pre_tail"):

@@ -174,7 +174,7 @@ def alternated_excess(first, second, pairs: int, group) -> dict:
     firsts = [a if i % 2 == 0 else b for i, (a, b) in enumerate(spans)]
     seconds = [b if i % 2 == 0 else a for i, (a, b) in enumerate(spans)]
     firsts, seconds = rank_max([firsts, seconds], group)
-    return pair_stats(firsts, seconds)
+    return pair_stats(firsts, seconds, first_ran_first=[i % 2 == 0 for i in range(pairs)])
 
 
 def kernel_knobs(knobs: dict) -> dict:
@@ -250,14 +250,36 @@ def paired_ratio(pair: dict) -> float:
     return (pair["first_median_us"] + pair["median_us"]) / pair["first_median_us"]
 
 
-def pair_stats(firsts: list[float], seconds: list[float]) -> dict:
-    """Quartiles of the per-pair differences second − first (µs), and each kernel's median."""
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def pair_stats(firsts: list[float], seconds: list[float], first_ran_first: list[bool] | None = None) -> dict:
+    """Quartiles of the per-pair differences second − first (µs), and each kernel's median.
+
+    With ``first_ran_first`` (per pair: whether the first kernel was launched first, ``alternated_excess``'s
+    alternating order) also the crossover split: the median difference over the pairs of each launch order, the
+    order-balanced difference (their mean: a position effect p, what running second adds, enters the two
+    halves as +p and -p and cancels) and p itself, and every pair's difference (µs, launch order marked)."""
     if not firsts or len(firsts) != len(seconds):
         raise ValueError("need one time of each kernel per pair")
-    diffs = sorted(b - a for a, b in zip(firsts, seconds))
+    raw = [b - a for a, b in zip(firsts, seconds)]
+    diffs = sorted(raw)
     n = len(diffs)
-    return {"q1_us": diffs[n // 4], "median_us": diffs[n // 2], "q3_us": diffs[(3 * n) // 4], "pairs": n,
-            "first_median_us": sorted(firsts)[n // 2], "second_median_us": sorted(seconds)[n // 2]}
+    out = {"q1_us": diffs[n // 4], "median_us": diffs[n // 2], "q3_us": diffs[(3 * n) // 4], "pairs": n,
+           "first_median_us": _median(firsts), "second_median_us": _median(seconds)}
+    if first_ran_first is not None:
+        if len(first_ran_first) != n:
+            raise ValueError("need one launch order per pair")
+        ab = [x for x, f in zip(raw, first_ran_first) if f]
+        ba = [x for x, f in zip(raw, first_ran_first) if not f]
+        if ab and ba:
+            m_ab, m_ba = _median(ab), _median(ba)
+            out.update({"median_first_ran_first_us": m_ab, "median_second_ran_first_us": m_ba,
+                        "order_balanced_us": (m_ab + m_ba) / 2, "position_effect_us": (m_ab - m_ba) / 2})
+        out["diffs_us"] = [[round(x, 1), int(f)] for x, f in zip(raw, first_ran_first)]
+    return out
 
 
 def _paired_excess(times: dict, name: str, base: str) -> float | None:

@@ -62,6 +62,29 @@ def test_pair_stats_recovers_a_small_residual_under_drift():
         bench.pair_stats([1.0], [])
 
 
+def test_pair_stats_crossover_split_cancels_a_position_effect():
+    """Alternating launch order with a position effect p (the kernel launched second runs p slower) and a
+    residual e: the two orders' medians are e + p and e - p; the order-balanced value recovers e and
+    position_effect_us recovers p, and every pair's difference is kept with its order."""
+    rng = random.Random()
+    base, n = rng.uniform(1e3, 4e4), 64
+    e, p = base * rng.uniform(0.001, 0.004), base * rng.uniform(0.004, 0.01)
+    order = [i % 2 == 0 for i in range(n)]
+    firsts, seconds = [], []
+    for f in order:
+        a = base * (1 + rng.gauss(0, 1e-4))
+        b = a + e + rng.gauss(0, 1e-4 * base)
+        firsts.append(a + (0 if f else p))  # the first kernel ran second in the odd pairs
+        seconds.append(b + (p if f else 0))
+    st = bench.pair_stats(firsts, seconds, first_ran_first=order)
+    assert st["order_balanced_us"] == pytest.approx(e, rel=0.2)
+    assert st["position_effect_us"] == pytest.approx(p, rel=0.2)
+    assert st["median_first_ran_first_us"] > st["median_second_ran_first_us"]
+    assert len(st["diffs_us"]) == n and {o for _, o in st["diffs_us"]} == {0, 1}
+    with pytest.raises(ValueError):
+        bench.pair_stats(firsts, seconds, first_ran_first=order[:-1])
+
+
 def test_model_predictions_follow_eqs_17_to_20(tmp_path):
     """E_drain vanishes above M*_ub and the completion-coupled E_cc grows with the number of output waves,
     from the shipped H200 profile (with its fitted T_lat) and a random sigma; replot redraws a saved result."""

@@ -193,6 +193,25 @@ def test_fused_mainloop_schedules_like_local(tmp_path):
     assert windows["piggyback"] == windows["local"] and windows["completion_coupled"] == windows["local"], windows
 
 
+def test_streaming_store_cache_operator(tmp_path):
+    """store_cache="cs" (a measured alternative): the "st" epilogue's 128-bit stores carry the streaming cache
+    operator (st.global.cs, STG.E.EF.128 in the SASS: evict-first) and none is plain, while the mainloop keeps
+    its schedule; other epilogues refuse it."""
+    from cute_kernels.compile import softmax_overlap
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    base = softmax_overlap(_sass(_compile(tmp_path / "wb", head_dim=128, mode="piggyback", n_dst=2)))
+    c = _compile(tmp_path / "cs", head_dim=128, mode="piggyback", n_dst=2, store_cache="cs")
+    text = _sass(c)
+    assert c.ptx_count(r"st\.global\.cs\.v4") >= 1 and c.ptx_count(r"st\.global\.v4") == 0
+    assert "STG.E.EF.128" in text and "STG.E.128" not in text
+    assert softmax_overlap(text) == base
+    with pytest.raises(ValueError, match="store_cache"):
+        FlashAttentionA2AForward(head_dim=128, mode="piggyback", n_dst=2, store="tma", store_cache="cs")
+    with pytest.raises(ValueError, match="store_cache"):
+        FlashAttentionA2AForward(head_dim=128, store_cache="lu")
+
+
 def test_crossed_walk_and_ready_wait_keep_the_schedules(tmp_path):
     """The crossed tile walk (two 64-row Q loads, per-warpgroup destinations), both early_done placements and
     the walk with the destination turn (``turn_destinations=True``) keep the mainloop's schedule, and the fused kernel's ready wait leaves the TMA producer's KV loop as the

@@ -24,7 +24,7 @@ pair_diag() {
   local name=$1 log=$2 seqs=$3 variants=$4
   shift 4
   timeout ${FA_TIMEOUT:-300} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/$name.json" \
-    --seq-lens ${FADIAG_SEQ:-$seqs} --replays 8 --alternate-pairs 32 --alternate-min-us 0 --no-spans \
+    --seq-lens ${FADIAG_SEQ:-$seqs} --replays 8 --alternate-pairs ${FADIAG_PAIRS:-32} --alternate-min-us 0 --no-spans \
     --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent fa_ours_pin_all fa_ours_unpinned \
     fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused_cc \
     fused_visible "$@" --variants "$variants" 2>&1 | tee "$OUT/$log.log"
@@ -154,6 +154,21 @@ for stage in $stages; do
       # fused default beside its self-store control (no NVLink), 32 pairs each against FA-only, so a real NVLink
       # residual (fused above self) can be told from the pairs' noise (the serial excess there: 764-940 µs)
       pair_diag fa_48parts fa48parts "49152" '{"self":{"mode":"piggyback","self_store":true}}' fa4 --heads-per-rank 12 ;;
+    fa48sig)
+      # 12 heads/48K: fa48parts put fused and its self-store control both ~+100 µs over FA-only (75 and 122, 32
+      # pairs), so the residual there is not NVLink's. The flag protocol's parts without NVLink: self-store with
+      # no protocol (signal=False), with the completion flags but no ready gate ("done"), and the remote
+      # stores with no protocol, beside the default and its self-store control.
+      pair_diag fa_48sig fa48sig "49152" '{"self":{"mode":"piggyback","self_store":true},"selfnosig":{"mode":"piggyback","self_store":true,"signal":false},"selfdone":{"mode":"piggyback","self_store":true,"signal":"done"},"nosig":{"mode":"piggyback","signal":false}}' fa4 serial_fa4_nccl --heads-per-rank 12 ;;
+    fa48ctl)
+      # 12 heads/48K with 96 pairs each (the crossover split, order_balanced_us): an A/A control (FA-only
+      # against itself rebuilt with the same knobs: the estimator's zero), and the fused protocol's parts with
+      # and without NVLink (fa48sig's 48 pairs left them within 2-3 standard errors of each other).
+      pair_diag fa_48ctl fa48ctl "49152" '{"same":{"pin_softmax":40},"self":{"mode":"piggyback","self_store":true},"selfnosig":{"mode":"piggyback","self_store":true,"signal":false},"nosig":{"mode":"piggyback","signal":false},"done":{"mode":"piggyback","signal":"done"}}' fa4 serial_fa4_nccl --heads-per-rank 12 ;;
+    fa48cs)
+      # 12 heads/48K, 96 pairs each: the output stores with the streaming cache operator (store_cache="cs",
+      # st.global.cs: evict-first in L2) in FA-only, fused and the self-store control, beside the defaults.
+      pair_diag fa_48cs fa48cs "49152" '{"cs":{"store_cache":"cs"},"pbcs":{"mode":"piggyback","store_cache":"cs"},"self":{"mode":"piggyback","self_store":true},"selfcs":{"mode":"piggyback","self_store":true,"store_cache":"cs"}}' fa4 serial_fa4_nccl --heads-per-rank 12 ;;
     fasplitgpu)
       # the fused split-tail GPU test alone (relay, TMA/bulk rounds, graph replays): a quick check before the rest
       timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -x -rs tests/test_flash_attention.py -k \
@@ -164,7 +179,7 @@ for stage in $stages; do
       # $FA_HEADS (default 12) heads per rank, 5 rounds, 64 adjacent pairs per residual (the main run's 20 pairs
       # of 40 ms kernels put the serial excess's quartiles at -108 and +1492 µs at 12 heads/64K).
       timeout ${FA_TIMEOUT:-240} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_repeat.json" \
-        --seq-lens ${FADIAG_SEQ:-65536} --heads-per-rank ${FA_HEADS:-12} --replays 5 --alternate-pairs 64 \
+        --seq-lens ${FADIAG_SEQ:-65536} --heads-per-rank ${FA_HEADS:-12} --replays 5 --alternate-pairs ${FADIAG_PAIRS:-64} \
         --alternate-min-us 0 --no-spans --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent \
         fa_ours_pin_all fa_ours_unpinned cudnn a2a_symm pre_a2a_nccl pre_a2a_symm fused_cc fused_visible fa4 \
         serial_fa4_nccl 2>&1 | tee "$OUT/farepeat.log" ;;
