@@ -54,16 +54,23 @@ def meet_after_compile(cached_before: int, cached_now: int, group) -> None:
 
 def _rank_main(rank: int, fn, *args) -> None:
     """A spawned rank: run ``fn``; on failure print the traceback and exit at once, so the spawner stops the
-    other ranks instead of this one waiting to tear down a group its peers are blocked in."""
+    other ranks instead of this one waiting to tear down a group its peers are blocked in. On success it also
+    exits at once, past the interpreter's teardown (atexit handlers, module finalizers): ``fn`` has written
+    its results and left its process group by then, and on the H200s a benchmark process that had run
+    flash-attn-4 sat after its last row until the device call's timeout (fa48parts, 300 s of 300)."""
+    import sys
+
     try:
         fn(rank, *args)
     except BaseException:
-        import sys
         import traceback
 
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(fn, world: int, *args) -> None:

@@ -66,6 +66,40 @@ def test_spawned_ranks_meet_and_report(tmp_path):
     assert [r["sum"] for r in run_ranks(_gloo_rank, tmp_path, world=2)] == [3, 3]
 
 
+_STUCK_TEARDOWN = """
+import atexit, sys, time
+sys.path[:0] = {paths!r}
+from cute_kernels.dist import process_group, spawn_ranks
+
+
+def rank(r, world, init_file, out):
+    atexit.register(time.sleep, 600)  # a teardown that never ends (what held the H200 bench processes)
+    with process_group(r, world, init_file, backend="gloo"):
+        with open(f"{{out}}.{{r}}", "w") as f:
+            f.write("done")
+
+
+if __name__ == "__main__":
+    spawn_ranks(rank, 2, sys.argv[1])
+"""
+
+
+def test_spawned_ranks_skip_a_stuck_teardown(tmp_path):
+    """A rank that finished its work exits at once (cute_kernels.dist._rank_main), past an atexit handler that
+    would block for 10 minutes: the spawner returns, every rank's output is there."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK_TEARDOWN.format(paths=[root]))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [(tmp_path / f"out.{r}").read_text() for r in range(2)] == ["done", "done"]
+
+
 def test_ranks_meet_only_after_a_compile(monkeypatch):
     """cute_kernels.dist.meet_after_compile: a barrier of the group when the JIT cache grew (a rank compiled
     before launching kernels with bounded waits), none when every kernel was cached."""
