@@ -169,6 +169,12 @@ for stage in $stages; do
       # 12 heads/48K, 96 pairs each: the output stores with the streaming cache operator (store_cache="cs",
       # st.global.cs: evict-first in L2) in FA-only, fused and the self-store control, beside the defaults.
       pair_diag fa_48cs fa48cs "49152" '{"cs":{"store_cache":"cs"},"pbcs":{"mode":"piggyback","store_cache":"cs"},"self":{"mode":"piggyback","self_store":true},"selfcs":{"mode":"piggyback","self_store":true,"store_cache":"cs"}}' fa4 serial_fa4_nccl --heads-per-rank 12 ;;
+    fa48buf)
+      # 12 heads/48K, 96 pairs each: FA-only storing into the fused op's symmetric buffer ("out": "symmetric",
+      # the same kernel as fa_ours) beside the fused default and its self-store control. Whether the fused
+      # kernel's launch-to-launch spread there (pair quartiles ~0 and +250 µs where an A/A control of FA-only
+      # has -15 and +11, fa_48ctl_b818648.json) comes with the buffer it writes, not with its own code.
+      pair_diag fa_48buf fa48buf "49152" '{"sym":{"out":"symmetric"},"self":{"mode":"piggyback","self_store":true}}' fa4 serial_fa4_nccl --heads-per-rank 12 ;;
     fasplitgpu)
       # the fused split-tail GPU test alone (relay, TMA/bulk rounds, graph replays): a quick check before the rest
       timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -x -rs tests/test_flash_attention.py -k \
