@@ -29,6 +29,10 @@ pair_diag() {
     fa_ours_plain_order cudnn a2a_nccl a2a_symm pre_a2a_nccl pre_a2a_symm serial_ours_nccl fused_cc \
     fused_visible "$@" --variants "$variants" 2>&1 | tee "$OUT/$log.log"
 }
+diag_12h48k() {
+  # 12 heads/rank at M = 49152 (where H sits at the 0.9 line): FA-only, fused and the variants, no FA4 columns
+  pair_diag "$1" "$2" "49152" "$3" fa4 serial_fa4_nccl --heads-per-rank 12
+}
 for stage in $stages; do
   echo "=== $stage $(date -u +%T)"
   case $stage in
@@ -159,22 +163,22 @@ for stage in $stages; do
       # pairs), so the residual there is not NVLink's. The flag protocol's parts without NVLink: self-store with
       # no protocol (signal=False), with the completion flags but no ready gate ("done"), and the remote
       # stores with no protocol, beside the default and its self-store control.
-      pair_diag fa_48sig fa48sig "49152" '{"self":{"mode":"piggyback","self_store":true},"selfnosig":{"mode":"piggyback","self_store":true,"signal":false},"selfdone":{"mode":"piggyback","self_store":true,"signal":"done"},"nosig":{"mode":"piggyback","signal":false}}' fa4 serial_fa4_nccl --heads-per-rank 12 ;;
+      diag_12h48k fa_48sig fa48sig '{"self":{"mode":"piggyback","self_store":true},"selfnosig":{"mode":"piggyback","self_store":true,"signal":false},"selfdone":{"mode":"piggyback","self_store":true,"signal":"done"},"nosig":{"mode":"piggyback","signal":false}}' ;;
     fa48ctl)
       # 12 heads/48K with 96 pairs each (the crossover split, order_balanced_us): an A/A control (FA-only
       # against itself rebuilt with the same knobs: the estimator's zero), and the fused protocol's parts with
       # and without NVLink (fa48sig's 48 pairs left them within 2-3 standard errors of each other).
-      pair_diag fa_48ctl fa48ctl "49152" '{"same":{"pin_softmax":40},"self":{"mode":"piggyback","self_store":true},"selfnosig":{"mode":"piggyback","self_store":true,"signal":false},"nosig":{"mode":"piggyback","signal":false},"done":{"mode":"piggyback","signal":"done"}}' fa4 serial_fa4_nccl --heads-per-rank 12 ;;
+      diag_12h48k fa_48ctl fa48ctl '{"same":{"pin_softmax":40},"self":{"mode":"piggyback","self_store":true},"selfnosig":{"mode":"piggyback","self_store":true,"signal":false},"nosig":{"mode":"piggyback","signal":false},"done":{"mode":"piggyback","signal":"done"}}' ;;
     fa48cs)
       # 12 heads/48K, 96 pairs each: the output stores with the streaming cache operator (store_cache="cs",
       # st.global.cs: evict-first in L2) in FA-only, fused and the self-store control, beside the defaults.
-      pair_diag fa_48cs fa48cs "49152" '{"cs":{"store_cache":"cs"},"pbcs":{"mode":"piggyback","store_cache":"cs"},"self":{"mode":"piggyback","self_store":true},"selfcs":{"mode":"piggyback","self_store":true,"store_cache":"cs"}}' fa4 serial_fa4_nccl --heads-per-rank 12 ;;
+      diag_12h48k fa_48cs fa48cs '{"cs":{"store_cache":"cs"},"pbcs":{"mode":"piggyback","store_cache":"cs"},"self":{"mode":"piggyback","self_store":true},"selfcs":{"mode":"piggyback","self_store":true,"store_cache":"cs"}}' ;;
     fa48buf)
       # 12 heads/48K, 96 pairs each: FA-only storing into the fused op's symmetric buffer ("out": "symmetric",
       # the same kernel as fa_ours) beside the fused default and its self-store control. Whether the fused
       # kernel's launch-to-launch spread there (pair quartiles ~0 and +250 µs where an A/A control of FA-only
       # has -15 and +11, fa_48ctl_b818648.json) comes with the buffer it writes, not with its own code.
-      pair_diag fa_48buf fa48buf "49152" '{"sym":{"out":"symmetric"},"self":{"mode":"piggyback","self_store":true}}' fa4 serial_fa4_nccl --heads-per-rank 12 ;;
+      diag_12h48k fa_48buf fa48buf '{"sym":{"out":"symmetric"},"self":{"mode":"piggyback","self_store":true}}' ;;
     fasplitgpu)
       # the fused split-tail GPU test alone (relay, TMA/bulk rounds, graph replays): a quick check before the rest
       timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -x -rs tests/test_flash_attention.py -k \
