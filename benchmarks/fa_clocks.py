@@ -41,6 +41,33 @@ def parse_smi(lines: list[str]) -> list[tuple[float, float, float, float, str]]:
     return out
 
 
+def _die_with_parent() -> None:
+    """In the sampler's child, before exec: SIGTERM when the process that started it dies (Linux prctl
+    PR_SET_PDEATHSIG), so a rank killed mid-run leaves no nvidia-smi behind."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def start_sampler(fields: str, target: str, sample_ms: int, log):
+    """``nvidia-smi --loop-ms`` for GPU ``target`` writing CSV rows to the open file ``log`` (a file, not a
+    pipe: a pipe read only at the end fills, ~20 s of samples, and stalls it). Its stdin and stderr are not
+    the caller's, so a sampler outliving its caller cannot hold a ``| tee`` open (a failed two-rank run sat
+    until its device call's limit so), and it dies with the process that started it."""
+    return spawn_tied(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", target,
+                       f"--loop-ms={sample_ms}"], log)
+
+
+def spawn_tied(argv: list[str], log):
+    """``argv`` with stdout to ``log``, no stdin or stderr of ours, ended when this process dies."""
+    return subprocess.Popen(argv, stdout=log, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=_die_with_parent)
+
+
 def phase_samples(samples, start: float, end: float, settle: float):
     """The samples taken in [start + settle, end]."""
     return [s for s in samples if start + settle <= s[0] <= end]
@@ -73,11 +100,8 @@ def _run(args) -> dict:
     probe = subprocess.run(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i", dev],
                            capture_output=True, text=True, check=False)
     fields = SMI_FIELDS if probe.returncode == 0 else SMI_FIELDS_OLD
-    # To a file, not a pipe: a pipe read only at the end fills (64 KiB, ~20 s of samples) and stalls it.
     log = tempfile.TemporaryFile(mode="w+")
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
-                            "-i", dev, f"--loop-ms={args.sample_ms}"],
-                           stdout=log, text=True)
+    smi = start_sampler(fields, dev, args.sample_ms, log)
     rows = []
     try:
         for spec in args.shapes:

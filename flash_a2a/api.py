@@ -295,7 +295,7 @@ def _relay_choice(option, mode: str, plan, variant: dict, n_tiles: int, grid: in
     fits = relay_vectors + RELAY_THREADS < 2 ** 31
     if option == "auto":
         return (mode == "piggyback" and variant.get("store", "st") == "st" and fits
-                and relay_pays(n_tiles, grid, n_kv, world, plan))
+                and not variant.get("remote_first", False) and relay_pays(n_tiles, grid, n_kv, world, plan))
     if mode != "piggyback" or plan != "launch" or world < 2:
         raise ValueError("relay=True sends the rounds kernel's peer tiles on from the split tail's launch: it needs "
                          "mode='piggyback', a world of 2 or more and a launch split (tail_split='launch', or 'auto' "

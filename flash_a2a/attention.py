@@ -164,6 +164,7 @@ class FlashAttentionA2AForward:
                  cross_halves: bool = False, ready_wait: str = "warp", early_done: bool | str = False,
                  peel_drip: bool = False, q_stages: int = 1, smem_pad_kib: int = 0, try_wait: bool = False,
                  tail_split: bool = False, walk: str = "all", turn_destinations: bool = False,
+                 remote_first: bool = False,
                  cluster_kv: int = 1, tile_n: int = TILE_N, rescale_threshold: float = 8.0, relay: bool = False,
                  relay_start: int = RELAY_START_KV, relay_wait: bool = True, store_cache: str = "wb"):
         if mode not in MODES:
@@ -303,6 +304,15 @@ class FlashAttentionA2AForward:
         # bursts instead of, at an even grid, the same CTAs taking all of them. It did not change the fused
         # residual on H200 (fa_turn_c0c3b00.json). Either walk covers every tile once, the same bits.
         self.turn_destinations = bool(turn_destinations)
+        # remote_first (a measured alternative): the walk sends every remote tile before any local one
+        # (mapping.tile_coords), so the links idle in the kernel's last (1/P) instead of carrying a trickle of
+        # stores all kernel long. At the H200's power cap the fused kernel loses SM clock to its NVLink stores;
+        # this walk did not win it back (+18 to +236 µs over the default, fused_clocks_remote_first_d8a07f6.json),
+        # so it is off. Whole tiles only: not with the crossed walk or the relay's shadows.
+        if remote_first and (cross_halves or relay or turn_destinations or cluster_kv > 1):
+            raise ValueError("remote_first orders whole tiles by destination: use it without cross_halves, "
+                             "relay, turn_destinations and cluster_kv=2")
+        self.remote_first = bool(remote_first)
         # cluster_kv: CTAs per cluster sharing each K/V block (FA3's cluster for d >= 128 non-causal; FA4's SM90
         # port has none). At 2 each CTA of a pair loads half of every K and V block and the TMA engine multicasts
         # it into both CTAs' shared memory, so L2 serves each block once per pair: half the L2->SM traffic of
@@ -690,7 +700,7 @@ class FlashAttentionA2AForward:
                 load_q = self.q_halves_loader(tma_q, mQ[None, None, h, bb], sQ, hb0, hb1)
             else:
                 m_block, h, bb, _ = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid),
-                                                     self.turn_destinations)
+                                                     self.turn_destinations, self.remote_first)
                 if const_expr(self.q_stages > 1):  # a Q buffer per stage: the load names its block and buffer
                     gQ = cute.local_tile(mQ[None, None, h, bb], (TILE_M, d), (None, 0))
                     load_q_staged, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ)
@@ -1154,7 +1164,7 @@ class FlashAttentionA2AForward:
                 dest = dest0 + wg * (dest1 - dest0)
             else:
                 m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, Int32(grid),
-                                                     self.turn_destinations)
+                                                     self.turn_destinations, self.remote_first)
             softmax = OnlineSoftmax.create(scale_log2, cute.size(layout_utils.reshape_acc_to_mn(acc_o), mode=[0]))
             pipe_q.consumer_wait(q_state)
             tSrQ_t = tSrQ

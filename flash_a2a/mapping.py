@@ -91,7 +91,8 @@ def early_done_arrival(bidx, grid, n_tiles, world, last_epilogue: bool):
     return early, early * (t_last + 1) - 1
 
 
-def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn: bool = False):
+def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn: bool = False,
+                remote_first: bool = False):
     """Tile index t of the fused kernel's walk -> (m_block, local head, batch, destination rank).
 
     A group is one (row block within a rank's slice, head, batch); it has one tile per destination rank.
@@ -107,8 +108,22 @@ def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn: bool 
     2. groups [G - k, G): their P - 1 remote tiles, destinations rotating from rank + 1;
     3. groups [G - k, G): their local tile, the last round (``local_tail``).
     ``turn=True``: stretch 1 with the turn (a measured alternative; False, the default, is the walk as it was).
-    Works on Python ints and on DSL Int32 (``turn`` a compile-time bool)."""
+    ``remote_first=True`` (a measured alternative): every remote tile first (group fastest, destinations
+    rotating from rank + 1), then every local tile, so the links carry the kernel's stores in its first
+    (P-1)/P and idle for the rest (under the board's power cap, links kept busy all kernel long cost SM clock:
+    benchmarks/fused_clocks.py; this walk did not lower that cost on H200); the walk still ends on local
+    tiles, as ``local_tail`` asks.
+    Works on Python ints and on DSL Int32 (``turn``, ``remote_first`` compile-time bools)."""
     groups = n_tiles // world
+    if remote_first:
+        remote = cutlass_max(world - 1, 1)
+        n_remote = groups * (world - 1)
+        in_r = cutlass_min(1, cutlass_max(0, n_remote - t))
+        group = in_r * (t // remote) + (1 - in_r) * (t - n_remote)
+        dest = in_r * ((rank + 1 + t % remote) % world) + (1 - in_r) * rank
+        mb_in_rank = group % n_mb_per_rank
+        rest = group // n_mb_per_rank
+        return dest * n_mb_per_rank + mb_in_rank, rest % h_loc, rest // h_loc, dest
     k = local_tail(n_tiles, world, grid)
     end1 = (groups - k) * world
     end2 = n_tiles - k
@@ -145,7 +160,8 @@ def cluster_walk_pairs(n_walk: int, grid: int, world: int, n_mb_per_rank: int, h
     return True
 
 
-def tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross: bool = False, turn: bool = False):
+def tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross: bool = False, turn: bool = False,
+                remote_first: bool = False):
     """Tile index t -> (hb0, hb1, local head, batch, dest0, dest1): the 64-row blocks (of the S rows) that the
     two MMA warpgroups compute, and their destination ranks. ``cross=False``: the halves of ``tile_coords``'s
     128-row block. ``cross=True`` (the "crossed" walk):
@@ -157,9 +173,12 @@ def tile_halves(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross: bool
       d = 128) to a peer: at P = 2 every SM issues 16 KiB per round boundary, under the ~20 KiB per SM the
       H200 holds outstanding without backpressure (calibration knee), instead of half the SMs 32 KiB;
     - the local tail is tile_coords's. The first warpgroup's half is tile_coords's in both walks.
-    ``turn``: tile_coords's. Works on Python ints and DSL Int32 (``cross``, ``turn`` compile-time bools)."""
+    ``turn``, ``remote_first``: tile_coords's (``remote_first`` not with ``cross``). Works on Python ints and
+    DSL Int32 (``cross``, ``turn``, ``remote_first`` compile-time bools)."""
+    if cross and remote_first:
+        raise ValueError("remote_first orders whole tiles; the crossed walk splits them: use one of the two")
     if not cross:
-        m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn)
+        m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn, remote_first)
         return 2 * m_block, 2 * m_block + 1, h, bb, dest, dest
     groups = n_tiles // world
     k = local_tail(n_tiles, world, grid)

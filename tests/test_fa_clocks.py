@@ -1,8 +1,11 @@
 """CPU tests of the clock/power probe's parsing (benchmarks/fa_clocks.py): nvidia-smi rows to samples, and
-the samples a phase owns."""
+the samples a phase owns; and the two-rank fused probe (benchmarks/fused_clocks.py): its phase order and its
+split of a time difference into cycles and clock."""
 import datetime
 import importlib.util
 import pathlib
+import random
+import statistics
 
 _spec = importlib.util.spec_from_file_location(
     "fa_clocks", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fa_clocks.py")
@@ -37,3 +40,86 @@ def test_phase_samples_drop_the_settle_time_and_summarize_medians():
     assert summary["samples"] == 8 and summary["sm_mhz"] == 1716.5 and summary["power_w"] == 633.0
     assert summary["reasons"] == {"0x0": 8}
     assert fa_clocks.summarize([]) == {"samples": 0}
+
+
+_spec2 = importlib.util.spec_from_file_location(
+    "fused_clocks", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fused_clocks.py")
+fused_clocks = importlib.util.module_from_spec(_spec2)
+_spec2.loader.exec_module(fused_clocks)
+
+
+def test_fused_clocks_rotates_the_kernels():
+    names = ["fa_ours", "fused", "fused_self"]
+    orders = [fused_clocks.phase_order(names, p) for p in range(3)]
+    assert orders[1] == ["fused", "fused_self", "fa_ours"]
+    # every kernel comes first once and follows every other once in three phases
+    assert sorted(o[0] for o in orders) == sorted(names)
+    assert fused_clocks.phase_order(names, 3) == names
+
+
+def test_fused_clocks_splits_time_into_cycles_and_clock():
+    # fused: the same cycles as FA-only at a clock 2% lower in every phase; self: 1% more cycles, same clock.
+    # Rank 1's GPU runs 3% faster; the fused kernels hold the ranks together (each takes the slower's time),
+    # so their time is compared with FA-only's slowest rank, phase by phase.
+    rng = random.Random(7)
+    rows = []
+    for phase in range(4):
+        mhz = 1600.0 + rng.uniform(-40, 40)  # drift shared by the kernels of one phase
+        for name, cycles, scale in (("fa_ours", 35.0, 1.0), ("fused", 35.0, 0.98), ("fused_self", 35.35, 1.0)):
+            own = [cycles * 1e6 / (mhz * scale * (1.0 + 0.03 * rank)) for rank in range(2)]
+            for rank in range(2):
+                clock = mhz * scale * (1.0 + 0.03 * rank)
+                us = own[rank] if name == "fa_ours" else max(own)
+                rows.append({"shape": "1x49152x12", "kernel": name, "phase": phase, "rank": rank, "samples": 9,
+                             "us_per_launch": us, "sm_mhz": clock, "power_w": 690.0, "temp_c": 60.0,
+                             "mcycles": us * clock / 1e6, "mj_per_launch": us * 690.0 / 1e3})
+    rows.append({"shape": "1x49152x12", "kernel": "fused", "phase": 9, "rank": 0, "samples": 0})  # no samples
+    per = fused_clocks.summarize_kernels(rows)["1x49152x12"]
+    assert per["fa_ours"]["phases"] == 4 and per["fused"]["phases"] == 4
+    d_fused, d_self = per["fused"]["minus_fa_ours"], per["fused_self"]["minus_fa_ours"]
+    slow_fa = [max(r["us_per_launch"] for r in rows if r["kernel"] == "fa_ours" and r.get("phase") == p)
+               for p in range(4)]
+    # time: against FA-only's slower rank, so only the fused kernel's own 2% clock shows, none of the ranks'
+    assert abs(d_fused["us_per_launch"] / statistics.median(slow_fa) - 1 / 0.98 + 1) < 2e-3
+    assert abs(d_self["us_per_launch"] / statistics.median(slow_fa) - 0.01) < 2e-3
+    # clock on the slow rank, where no waiting for a peer hides in the cycles: the 2% and nothing for self
+    slow_rank = [r for r in rows if r.get("rank") == 0 and r.get("samples")]
+    per0 = fused_clocks.summarize_kernels(slow_rank)["1x49152x12"]
+    assert abs(per0["fused"]["minus_fa_ours"]["mcycles"]) < 1e-9 and per0["fused"]["minus_fa_ours"]["sm_mhz"] < -25
+    assert abs(per0["fused_self"]["minus_fa_ours"]["mcycles"] - 0.35) < 1e-9
+    assert "minus_fa_ours" not in per["fa_ours"] and d_self["pairs"] == 8 and d_self["phases"] == 4
+    # the same from the full rows: the slow rank's part is rank 0's
+    assert d_fused["slow_rank"]["rank"] == 0 and d_fused["slow_rank"] == {**per0["fused"]["minus_fa_ours"]["slow_rank"]}
+    assert abs(d_self["slow_rank"]["mcycles"] - 0.35) < 1e-9
+
+
+def test_sampler_child_dies_with_its_parent_and_keeps_no_pipe(tmp_path):
+    """A sampler started by a process that is then killed is ended too, and holds none of the caller's pipes
+    (a two-rank run whose rank failed once left nvidia-smi holding `| tee` open until the call's limit)."""
+    import subprocess
+    import sys
+    import time
+
+    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import fa_clocks; "
+            "p = fa_clocks.spawn_tied(['sleep', '60'], open(sys.argv[2], 'w')); print(p.pid, flush=True); "
+            "time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(bench), str(tmp_path / "log")],
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    assert parent.stdout.read() == ""  # EOF at once: the child does not hold the pipe
+    def alive(pid: int) -> bool:  # a zombie (killed, not yet reaped by an init that may never reap) is dead
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    for _ in range(100):
+        if not alive(child):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the sampler outlived its parent")

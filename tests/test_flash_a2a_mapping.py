@@ -47,7 +47,7 @@ def test_bad_shapes_name_the_fix(s, h, p, tile, match):
         check_ulysses_shapes(s, h, p, tile)
 
 
-@pytest.mark.parametrize("turn", [True, False])
+@pytest.mark.parametrize("turn", [True, False, "remote_first"])
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_fused_kernel_tile_walk_covers_every_tile_and_lands_like_the_reference(world, turn):
     """The fused kernel's tile order (flash_a2a.mapping.tile_coords) and its epilogue index math, run on
@@ -67,7 +67,8 @@ def test_fused_kernel_tile_walk_covers_every_tile_and_lands_like_the_reference(w
     for rank in range(world):
         seen = set()
         for t in range(n_tiles):
-            m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn)
+            walk = {"remote_first": True} if turn == "remote_first" else {"turn": turn}
+            m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, **walk)
             seen.add((m_block, h, bb))
             row0 = m_block * TILE_M
             assert dest == destination(row0, h, rank, s, h_loc * world, world)[0]
@@ -76,6 +77,27 @@ def test_fused_kernel_tile_walk_covers_every_tile_and_lands_like_the_reference(w
         assert len(seen) == n_tiles
     for j, ref in enumerate(reference_post_a2a(outs)):
         assert torch.equal(got[j], ref)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_remote_first_walk_sends_every_remote_tile_before_any_local_one(world):
+    """remote_first: the first (P-1)/P of the walk goes to peers, destinations rotating from rank + 1 (each
+    peer gets its share of every stretch), the rest stays local, so the walk still ends on local tiles
+    (local_tail); the crossed walk refuses it."""
+    rng = random.Random()
+    for _ in range(200):
+        n_mb, h_loc, b = rng.randint(1, 8), rng.randint(1, 4), rng.randint(1, 2)
+        n_tiles = n_mb * world * h_loc * b
+        grid, rank = rng.randint(1, 2 * n_tiles), rng.randrange(world)
+        dests = [tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid, remote_first=True)[3]
+                 for t in range(n_tiles)]
+        n_remote = n_tiles // world * (world - 1)
+        assert all(d != rank for d in dests[:n_remote]) and all(d == rank for d in dests[n_remote:])
+        assert dests[:world - 1] == [(rank + 1 + i) % world for i in range(world - 1)]
+        k = local_tail(n_tiles, world, grid)
+        assert all(d == rank for d in dests[n_tiles - k:])
+    with pytest.raises(ValueError, match="remote_first"):
+        tile_halves(0, 2, 1, 1, 0, 2, 2, True, False, True)
 
 
 @pytest.mark.parametrize("world", [2, 3, 8])

@@ -214,7 +214,8 @@ def test_streaming_store_cache_operator(tmp_path):
 
 def test_crossed_walk_and_ready_wait_keep_the_schedules(tmp_path):
     """The crossed tile walk (two 64-row Q loads, per-warpgroup destinations), both early_done placements and
-    the walk with the destination turn (``turn_destinations=True``) keep the mainloop's schedule, and the fused kernel's ready wait leaves the TMA producer's KV loop as the
+    the walks with the destination turn (``turn_destinations=True``) and remote tiles first (``remote_first``)
+    keep the mainloop's schedule, and the fused kernel's ready wait leaves the TMA producer's KV loop as the
     local kernel's: no R2UR in it.
     (A run-time loop over the ranks in the ready wait once put a 64-bit operand of the producer's TMA loads
     in vector registers, 8 R2UR per KV block, and cost ~0.65% of the kernel's time on H200; a 64-bit
@@ -233,7 +234,8 @@ def test_crossed_walk_and_ready_wait_keep_the_schedules(tmp_path):
         ("fused_last_epilogue", {"mode": "piggyback", "n_dst": 2, "early_done": "last_epilogue",
                                  "rescale_threshold": 0.0}),
         ("fused_cross", {"mode": "piggyback", "n_dst": 2, "cross_halves": True}),
-        ("fused_turned", {"mode": "piggyback", "n_dst": 2, "turn_destinations": True}))}
+        ("fused_turned", {"mode": "piggyback", "n_dst": 2, "turn_destinations": True}),
+        ("fused_remote_first", {"mode": "piggyback", "n_dst": 2, "remote_first": True}))}
     windows = {name: softmax_overlap(t) for name, t in texts.items()}
     assert len(set(map(tuple, windows.values()))) == 1, windows
     for name, text in texts.items():
@@ -325,6 +327,7 @@ def test_tile_order_and_mainloop_variants_agree():
         ref = flash_attention(*qkv, tail_split=False)  # q_stages=2 runs unsplit ("auto" splits 576 tiles)
         for variant in ({"q_stages": 2}, {"q_stages": 2, "tile_order_world": 2, "tile_order_rank": 1},
                         {"tile_order_world": 2, "turn_destinations": True, "tail_split": False},  # turned
+                        {"tile_order_world": 2, "tile_order_rank": 1, "remote_first": True, "tail_split": False},
                         # K/V multicast to CTA pairs (cluster_kv=2): the same bits, the plain and fused orders
                         {"cluster_kv": 2, "tail_split": False},
                         {"cluster_kv": 2, "tile_order_world": 2, "tile_order_rank": 1, "tail_split": False}):
@@ -437,7 +440,7 @@ def _worker(rank, world, init_file, path):
         # At both multi-round shapes the default's store="auto" paces (mapping.paced_store_pays); "st" is the burst.
         turned = (("piggyback", {}), ("piggyback", {"turn_destinations": True}), ("completion_coupled", {}),
                   ("piggyback", {"cross_halves": True}), ("piggyback", {"cluster_kv": 2}),
-                  ("piggyback", {"store": "st"}))
+                  ("piggyback", {"store": "st"}), ("piggyback", {"remote_first": True}))
         for shape, variants in [((1, 1024, 2, 128), every), ((2, 2048, 3, 128), every), ((1, 512, 1, 64), every),
                                 ((2, 4096, 3, 128), multi_round), ((2, 8192, 3, 128), turned),
                                 ((1, 2560, 2, 128), (("piggyback", {"tile_n": 160}),
@@ -747,6 +750,11 @@ def _tail_split_worker(rank, world, init_file, path):
         # cluster_kv=2: the clustered rounds kernel, then the unclustered chunks, the same bits as the split
         for mode in ("piggyback", "completion_coupled"):
             checked += check((2, 4096, 9, 128), mode, "launch", cluster_kv=2)
+        # remote_first (every peer tile before any local one): the split's last-round tiles are the same local
+        # tiles as the default walk's, so the same bits, in one launch and in two
+        for option in (True, "launch"):
+            for shape in ((2, 4096, 9, 128), (1, 4096, 13, 128)):
+                checked += check(shape, "piggyback", option, remote_first=True)
         # store="paced" with the default split ("auto": two launches here): the rounds kernel paces its peer
         # stores, the tail launch stores its local chunks in bursts (api._tail_knobs); 192 tiles (one round, then
         # the chunks) and 576

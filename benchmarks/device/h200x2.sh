@@ -174,6 +174,7 @@ for stage in $stages; do
       # st.global.cs: evict-first in L2) in FA-only, fused and the self-store control, beside the defaults.
       diag_12h48k fa_48cs fa48cs '{"cs":{"store_cache":"cs"},"pbcs":{"mode":"piggyback","store_cache":"cs"},"self":{"mode":"piggyback","self_store":true},"selfcs":{"mode":"piggyback","self_store":true,"store_cache":"cs"}}' ;;
     fa48buf)
+      # (run at d8a07f6: FA-only into the symmetric buffer -2 µs from FA-only, fa_48buf_d8a07f6.json)
       # 12 heads/48K, 96 pairs each: FA-only storing into the fused op's symmetric buffer ("out": "symmetric",
       # the same kernel as fa_ours) beside the fused default and its self-store control. Whether the fused
       # kernel's launch-to-launch spread there (pair quartiles ~0 and +250 µs where an A/A control of FA-only
@@ -301,6 +302,17 @@ for stage in $stages; do
       mkdir -p "$OUT/h200x2"
       timeout ${FA_TIMEOUT:-240} python3 benchmarks/fa_clocks.py --out "$OUT/h200x2/fa_clocks.json" 2>&1 \
         | tee "$OUT/faclocks.log" ;;
+    fusedclocks)
+      # SM clock, power and clock-event reasons on both GPUs (nvidia-smi every 20 ms) while FA-only, the fused
+      # op (sender-side and complete), its self-store control, the serial compositions (ours + NCCL or our
+      # symmetric scatter, FA4 + NCCL) and FA4 run back to back from CUDA Graphs, taking turns, 6 phases of
+      # 1.5 s per shape (12 heads/48K, 12 heads/32K, 3 heads/64K): is the fused residual cycles or clock?
+      # (At the power cap it is clock: flash_a2a_variants/fused_clocks_d8a07f6.json.) FUSED_CLOCKS_ARGS adds
+      # options, e.g. --seconds 1.0 --no-fa4 --skip fused_self --variants '{"rf":{"mode":"piggyback",...}}'
+      # (JSON without spaces: the variable is split on them).
+      mkdir -p "$OUT/h200x2"
+      timeout ${FA_TIMEOUT:-300} python3 benchmarks/fused_clocks.py --out "$OUT/h200x2/fused_clocks.json" \
+        ${FUSED_CLOCKS_ARGS:-} 2>&1 | tee "$OUT/fusedclocks.log" ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)

@@ -1,0 +1,313 @@
+"""SM clock and board power while the fused kernel and our FA-only run back to back on every GPU of the
+group: at long shapes, is the fused kernel's residual over FA-only more cycles (its own work), or the same
+cycles at a lower clock (the power its NVLink stores draw under the board's power cap)?
+
+Two (or more) ranks. Per shape, each kernel is captured in a one-launch CUDA Graph and every rank replays the
+same kernel for the same number of launches per phase (the fused kernel's peers wait on each other), the
+kernels taking turns over ``--phases`` phases in a rotated order, while ``nvidia-smi -lms`` samples each
+rank's own GPU. Per phase and rank: the median time per launch (CUDA events around batches of replays)
+and the median of the samples inside it (its first ``--settle`` seconds dropped); cycles per launch are the
+time times that median SM clock. Columns: FA-only in the fused walk (``fa_ours``, as in the benchmark), the
+fused default (sender-side, ``wait=False``) and as the API returns it (``fused_visible``: the receiver's wait
+for every peer's data included), its self-store control (the same kernel storing every tile into its own
+buffer: no NVLink), the serial compositions (our FA-only, then the NCCL All-to-All as yunchang does it, or our
+symmetric-memory scatter), and
+flash-attn-4 alone and in its serial composition where installed.
+Usage (device): PYTHONPATH=$PWD python3 benchmarks/fused_clocks.py --out $OUT/fused_clocks.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fa_clocks import (SMI_FIELDS, SMI_FIELDS_OLD, parse_smi, phase_samples, start_sampler,  # noqa: E402
+                       summarize)
+
+KEYS = ("us_per_launch", "sm_mhz", "power_w", "temp_c", "mcycles", "mj_per_launch")
+
+
+def phase_order(names: list[str], phase: int) -> list[str]:
+    """The kernels' order in ``phase``: rotated by one each phase, so every kernel follows every other."""
+    k = phase % len(names)
+    return names[k:] + names[:k]
+
+
+def summarize_kernels(rows: list[dict], base: str = "fa_ours") -> dict:
+    """Per shape and kernel: ``us_per_launch``, the median over phases of the slowest rank's time (as the
+    benchmark takes each trial's max over ranks: a step is done when its last rank is; the fused kernel and
+    the serial All-to-All hold the ranks together anyway, FA-only does not), and the medians over (rank,
+    phase) rows of the sampled ``KEYS``. For every kernel but ``base``, its differences from ``base``, phase
+    by phase (the same stretch of the run, so slow drift cancels): the time as the median of the per-phase
+    rank-max differences, clock, power and cycles as medians of the same rank's differences."""
+    out: dict = {}
+    for shape in sorted({r["shape"] for r in rows}):
+        mine = [r for r in rows if r["shape"] == shape and r.get("samples")]
+        slowest: dict = {}
+        for r in mine:
+            key = (r["kernel"], r["phase"])
+            slowest[key] = max(slowest.get(key, 0.0), r["us_per_launch"])
+        per: dict = {}
+        for name in sorted({r["kernel"] for r in mine}):
+            sel = [r for r in mine if r["kernel"] == name]
+            per[name] = {key: statistics.median(r[key] for r in sel) for key in KEYS}
+            per[name]["us_per_launch"] = statistics.median(t for (n, _), t in slowest.items() if n == name)
+            per[name]["phases"] = len({r["phase"] for r in sel})
+        ref = {(r["rank"], r["phase"]): r for r in mine if r["kernel"] == base}
+        base_ranks = sorted({rank for rank, _ in ref})
+        slow_rank = max(base_ranks, key=lambda k: statistics.median(
+            r["us_per_launch"] for (rank, _), r in ref.items() if rank == k)) if base_ranks else None
+        for name in per:
+            if name == base:
+                continue
+            diffs = [(r, ref[(r["rank"], r["phase"])]) for r in mine
+                     if r["kernel"] == name and (r["rank"], r["phase"]) in ref]
+            phases = sorted({p for (n, p) in slowest if n == name} & {p for (n, p) in slowest if n == base})
+            if diffs and phases:
+                d = {key: statistics.median(a[key] - b[key] for a, b in diffs)
+                     for key in ("mcycles", "sm_mhz", "power_w")}
+                d["us_per_launch"] = statistics.median(slowest[(name, p)] - slowest[(base, p)] for p in phases)
+                d["pairs"], d["phases"] = len(diffs), len(phases)
+                # on the rank whose base is slowest, no waiting for a peer hides in a coupled kernel's cycles
+                slow = [(a, b) for a, b in diffs if a["rank"] == slow_rank]
+                if slow:
+                    d["slow_rank"] = {key: statistics.median(a[key] - b[key] for a, b in slow)
+                                      for key in ("mcycles", "sm_mhz", "power_w")}
+                    d["slow_rank"]["rank"] = slow_rank
+                per[name]["minus_" + base] = d
+        out[shape] = per
+    return out
+
+
+COLUMN_STYLE = {  # column -> (label, colour); the plot's order
+    "fused": ("fused (sender-side)", "tab:blue"), "fused_visible": ("fused (output complete)", "tab:blue"),
+    "fused_self": ("fused, self-store (no NVLink)", "tab:cyan"),
+    "serial_ours_nccl": ("ours + NCCL A2A", "tab:orange"), "serial_ours_symm": ("ours + symm. A2A", "tab:red"),
+    "fa4": ("FA4 alone", "tab:gray"), "serial_fa4_nccl": ("FA4 + NCCL A2A", "tab:brown")}
+
+
+def plot(result: dict, path: str) -> None:
+    """Per shape: every column's time over FA-only (%, phase-matched medians) and its SM clock against
+    FA-only's (MHz), side by side: where the bars of the two panels match, the time is clock, not cycles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    shapes = list(summary)
+    cols = [c for c in COLUMN_STYLE if any(c in summary[s] for s in shapes)]
+    cols += sorted({c for s in shapes for c in summary[s] if c != "fa_ours" and c not in cols})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / max(len(cols), 1)
+    for i, col in enumerate(cols):
+        label, colour = COLUMN_STYLE.get(col, (col, None))
+        hatch = "//" if col == "fused_visible" else None
+        xs, pct, mhz = [], [], []
+        for j, shape in enumerate(shapes):
+            d = summary[shape].get(col, {}).get("minus_fa_ours")
+            if d:
+                xs.append(j + (i - (len(cols) - 1) / 2) * width)
+                pct.append(100.0 * d["us_per_launch"] / summary[shape]["fa_ours"]["us_per_launch"])
+                mhz.append(d["sm_mhz"])
+        axes[0].bar(xs, pct, width, label=label, color=colour, hatch=hatch)
+        axes[1].bar(xs, mhz, width, label=label, color=colour, hatch=hatch)
+    names = [f"{s.split('x')[2]} heads/{int(s.split('x')[1]) // 1024}K" for s in shapes]
+    for ax, title in ((axes[0], "time over FA-only (%)"), (axes[1], "SM clock against FA-only's (MHz)")):
+        ax.set_xticks(range(len(shapes)), names)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Back to back at the power cap, {result.get('world', 2)} GPUs "
+                 f"({result['provenance'].get('device', '')}, {result['provenance'].get('git_commit', '')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _smi_target(rank: int) -> str:
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(rank), "uuid", None)
+    return f"GPU-{uuid}" if uuid else str(rank)
+
+
+def _run(rank: int, world: int, group, args) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from flash_a2a.a2a import SymmetricUlyssesA2A, nccl_post_a2a
+    from flash_a2a.api import FUSED_WALK, FusedAttentionA2A, flash_attention
+    from flash_a2a.bench import _baselines
+
+    torch.set_grad_enabled(False)
+    fa4 = None if args.no_fa4 else _baselines().get("fa4")
+    fused = FusedAttentionA2A(group)
+    a2a = SymmetricUlyssesA2A(group)
+    target = _smi_target(rank)
+    probe = subprocess.run(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i",
+                            target], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        target = str(rank)
+    probe = subprocess.run(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i",
+                            target], capture_output=True, text=True, check=False)
+    fields = SMI_FIELDS if probe.returncode == 0 else SMI_FIELDS_OLD
+    log = tempfile.TemporaryFile(mode="w+")
+    smi = start_sampler(fields, target, args.sample_ms, log)
+    token = torch.zeros(1, device="cuda")
+    rows = []
+    try:
+        for spec in args.shapes:
+            b, s, h = (int(x) for x in spec.split("x"))
+            q, k, v = (torch.randn(b, s, h, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
+            o = torch.empty_like(q)
+            order = {"tile_order_world": world, "tile_order_rank": rank, **FUSED_WALK}
+            every = {"fa_ours": lambda: flash_attention(q, k, v, out=o, **order),
+                     "fused": lambda: fused.launch(q, k, v, mode="piggyback", wait=False),
+                     "fused_visible": lambda: fused.launch(q, k, v, mode="piggyback", wait=True),
+                     "fused_self": lambda: fused.launch(q, k, v, mode="piggyback", wait=False, self_store=True),
+                     "serial_ours_nccl": lambda: nccl_post_a2a(flash_attention(q, k, v, out=o)),
+                     "serial_ours_symm": lambda: a2a(flash_attention(q, k, v, out=o))}
+            if fa4 is not None:
+                every["fa4"] = lambda: fa4(q, k, v)
+                every["serial_fa4_nccl"] = lambda: nccl_post_a2a(fa4(q, k, v))
+            for name, knobs in args.variants.items():
+                if "mode" in knobs:  # a fused column, sender-side like ``fused``
+                    every["fused_" + name] = (lambda kn: lambda: fused.launch(q, k, v, wait=False, **kn))(knobs)
+                else:  # FA-only in the fused walk with these knobs
+                    every["fa_ours_" + name] = (lambda kn: lambda: flash_attention(q, k, v, out=o,
+                                                                                   **{**order, **kn}))(knobs)
+            kernels = {name: fn for name, fn in every.items() if name not in args.skip}
+            if "fa_ours" not in kernels:
+                raise ValueError("fa_ours is every difference's base: do not skip it")
+            graphs = {}
+            for name, fn in kernels.items():
+                for _ in range(3):
+                    fn()  # compile and warm up outside the graph
+                torch.cuda.synchronize()
+                dist.barrier(group=group)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn()
+                graphs[name] = g
+            fused.settle(q)
+            torch.cuda.synchronize()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs["fa_ours"].replay()
+            stop.record()
+            torch.cuda.synchronize()
+            per_launch = torch.tensor([start.elapsed_time(stop) / 1e3], device="cuda", dtype=torch.float64)
+            dist.all_reduce(per_launch, op=dist.ReduceOp.MAX, group=group)  # one launch count on every rank
+            per_launch_s = float(per_launch.item())
+            batch = max(1, int(0.05 / per_launch_s))  # ~50 ms of replays between host checks
+            n_batches = max(4, int(args.seconds / (batch * per_launch_s)))
+            names = list(graphs)
+            for phase in range(args.phases):
+                for name in phase_order(names, phase):
+                    dist.barrier(group=group)
+                    dist.all_reduce(token, group=group)  # start together on the device
+                    times = []
+                    t0 = time.time()
+                    for _ in range(n_batches):
+                        start.record()
+                        for _ in range(batch):
+                            graphs[name].replay()
+                        stop.record()
+                        stop.synchronize()
+                        times.append(start.elapsed_time(stop) * 1e3 / batch)
+                    t1 = time.time()
+                    if name.startswith("fused"):
+                        fused.settle(q)  # every sender-side launch's data in before the next phase
+                        torch.cuda.synchronize()
+                    rows.append({"shape": spec, "kernel": name, "phase": phase, "rank": rank, "t0": t0, "t1": t1,
+                                 "launches": n_batches * batch, "us_per_launch": statistics.median(times[1:])})
+                    if rank == 0:
+                        print(f"{spec} phase {phase} {name}: {rows[-1]['us_per_launch']:.1f} us", flush=True)
+            fused.check()
+            del q, k, v, o, graphs
+            torch.cuda.empty_cache()
+    finally:
+        time.sleep(0.2)
+        smi.terminate()
+        smi.wait(timeout=10)
+        log.seek(0)
+        text = log.read()
+    samples = parse_smi(text.splitlines())
+    for r in rows:
+        r.update(summarize(phase_samples(samples, r["t0"], r["t1"], args.settle)))
+        if r["samples"]:
+            r["mcycles"] = r["us_per_launch"] * r["sm_mhz"] / 1e6
+            r["mj_per_launch"] = r["us_per_launch"] * r["power_w"] / 1e3
+    return rows
+
+
+def _worker(rank: int, world: int, init_file: str, args) -> None:
+    import torch.distributed as dist
+
+    from cute_kernels.dist import process_group
+    from cute_kernels.runtime import provenance
+
+    with process_group(rank, world, init_file) as group:
+        rows = _run(rank, world, group, args)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, rows, group=group)
+    if rank == 0:
+        every = [r for part in gathered for r in part]
+        result = {"provenance": provenance(" ".join(sys.argv)), "args": vars(args), "world": world,
+                  "summary": summarize_kernels(every), "phases": every}
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        plot(result, os.path.splitext(args.out)[0] + ".png")
+        for shape, per in result["summary"].items():
+            for name, val in per.items():
+                print(shape, name, {k: (round(x, 2) if isinstance(x, float) else x) for k, x in val.items()
+                                    if not isinstance(x, dict)}, val.get("minus_fa_ours", ""), flush=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="result JSON (its figure beside it, .png)")
+    p.add_argument("--plot", metavar="JSON", help="recompute a saved result's summary from its phases and redraw "
+                                                  "its figure (no GPU)")
+    p.add_argument("--shapes", nargs="+", default=["1x49152x12", "1x32768x12", "1x65536x3"],
+                   help="b x S x heads per rank (d = 128)")
+    p.add_argument("--phases", type=int, default=6)
+    p.add_argument("--seconds", type=float, default=1.5)
+    p.add_argument("--settle", type=float, default=0.3)
+    p.add_argument("--sample-ms", type=int, default=20)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--no-fa4", action="store_true", help="leave flash-attn-4 out")
+    p.add_argument("--variants", type=json.loads, default={}, metavar="JSON",
+                   help='extra columns as in xstage bench flash-a2a: {"name": {knobs}}: fused_<name> where the '
+                        'knobs hold a "mode", else fa_ours_<name>, e.g. \'{"rf": {"mode": "piggyback", '
+                        '"remote_first": true}}\'')
+    p.add_argument("--skip", nargs="*", default=[],
+                   help="columns to leave out (fused, fused_visible, fused_self, serial_ours_nccl, serial_ours_symm, "
+                        "fa4, serial_fa4_nccl)")
+    args = p.parse_args(argv)
+    if args.plot:  # the summary again from the phases (its definition may be newer than the run), then the figure
+        with open(args.plot) as f:
+            result = json.load(f)
+        result["summary"] = summarize_kernels(result["phases"])
+        with open(args.plot, "w") as f:
+            json.dump(result, f, indent=1)
+        plot(result, os.path.splitext(args.plot)[0] + ".png")
+        return
+    if not args.out:
+        p.error("--out is required (or --plot JSON)")
+    from cute_kernels.dist import spawn_ranks
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    spawn_ranks(_worker, args.world, args)
+
+
+if __name__ == "__main__":
+    main()
