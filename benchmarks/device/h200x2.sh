@@ -313,6 +313,16 @@ for stage in $stages; do
       mkdir -p "$OUT/h200x2"
       timeout ${FA_TIMEOUT:-300} python3 benchmarks/fused_clocks.py --out "$OUT/h200x2/fused_clocks.json" \
         ${FUSED_CLOCKS_ARGS:-} 2>&1 | tee "$OUT/fusedclocks.log" ;;
+    fusedclocksstores)
+      # At the power cap (as fusedclocks), the fused op with its peer stores through the TMA engine
+      # (store="tma": per-tile tensor maps; "bulk": 1-D bulk copies of padded rows) beside the "st" burst
+      # default and ours + NCCL, at 12 heads/48K, 12 heads/32K and 3 heads/64K: whether how the stores reach
+      # NVLink changes the clock they cost (fused_clocks_d8a07f6.json: 15-75 MHz at equal cycles).
+      mkdir -p "$OUT/h200x2"
+      timeout ${FA_TIMEOUT:-300} python3 benchmarks/fused_clocks.py --out "$OUT/h200x2/fused_clocks_stores.json" \
+        --seconds 1.0 --no-fa4 --skip fused_visible fused_self serial_ours_symm \
+        --variants '{"tma":{"mode":"piggyback","store":"tma"},"bulk":{"mode":"piggyback","store":"bulk"}}' 2>&1 \
+        | tee "$OUT/fusedclocksstores.log" ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)
