@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -41,16 +42,27 @@ def parse_smi(lines: list[str]) -> list[tuple[float, float, float, float, str]]:
     return out
 
 
-def _die_with_parent() -> None:
-    """In the sampler's child, before exec: SIGTERM when the process that started it dies (Linux prctl
-    PR_SET_PDEATHSIG), so a rank killed mid-run leaves no nvidia-smi behind."""
+def _tie_to_parent():
+    """A ``preexec_fn`` that asks the kernel to SIGTERM the child when the process that started it dies (Linux
+    prctl PR_SET_PDEATHSIG), so a rank killed mid-run leaves no nvidia-smi behind; None where libc has no
+    prctl. Everything is looked up here, in the parent: between fork and exec the child only makes the call
+    (a fork of a process with NCCL and torch threads must not load libraries), then leaves at once if its
+    parent already died before the call took effect."""
     import ctypes
     import signal
 
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent, sig = os.getpid(), int(signal.SIGTERM)
+
+    def tie() -> None:
+        prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return tie
 
 
 def start_sampler(fields: str, target: str, sample_ms: int, log):
@@ -65,7 +77,7 @@ def start_sampler(fields: str, target: str, sample_ms: int, log):
 def spawn_tied(argv: list[str], log):
     """``argv`` with stdout to ``log``, no stdin or stderr of ours, ended when this process dies."""
     return subprocess.Popen(argv, stdout=log, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=_tie_to_parent())
 
 
 def phase_samples(samples, start: float, end: float, settle: float):

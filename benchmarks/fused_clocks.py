@@ -45,12 +45,15 @@ def summarize_kernels(rows: list[dict], base: str = "fa_ours") -> dict:
     the serial All-to-All hold the ranks together anyway, FA-only does not), and the medians over (rank,
     phase) rows of the sampled ``KEYS``. For every kernel but ``base``, its differences from ``base``, phase
     by phase (the same stretch of the run, so slow drift cancels): the time as the median of the per-phase
-    rank-max differences, clock, power and cycles as medians of the same rank's differences."""
+    rank-max differences; clock, power and cycles as medians of the same rank's differences, over both
+    ranks and (``slow_rank``) on the rank whose ``base`` was slower in that phase, where a kernel that holds
+    the ranks together has no peer to wait for, so no waiting hides in its cycles."""
     out: dict = {}
     for shape in sorted({r["shape"] for r in rows}):
-        mine = [r for r in rows if r["shape"] == shape and r.get("samples")]
-        slowest: dict = {}
-        for r in mine:
+        timed = [r for r in rows if r["shape"] == shape and "us_per_launch" in r]
+        mine = [r for r in timed if r.get("samples")]
+        slowest: dict = {}  # (kernel, phase) -> the slowest rank's time, from every timed row
+        for r in timed:
             key = (r["kernel"], r["phase"])
             slowest[key] = max(slowest.get(key, 0.0), r["us_per_launch"])
         per: dict = {}
@@ -60,9 +63,10 @@ def summarize_kernels(rows: list[dict], base: str = "fa_ours") -> dict:
             per[name]["us_per_launch"] = statistics.median(t for (n, _), t in slowest.items() if n == name)
             per[name]["phases"] = len({r["phase"] for r in sel})
         ref = {(r["rank"], r["phase"]): r for r in mine if r["kernel"] == base}
-        base_ranks = sorted({rank for rank, _ in ref})
-        slow_rank = max(base_ranks, key=lambda k: statistics.median(
-            r["us_per_launch"] for (rank, _), r in ref.items() if rank == k)) if base_ranks else None
+        slow_rank = {}  # phase -> the rank whose base was slower then
+        for (rank, phase), r in ref.items():
+            if phase not in slow_rank or r["us_per_launch"] > ref[(slow_rank[phase], phase)]["us_per_launch"]:
+                slow_rank[phase] = rank
         for name in per:
             if name == base:
                 continue
@@ -74,15 +78,36 @@ def summarize_kernels(rows: list[dict], base: str = "fa_ours") -> dict:
                      for key in ("mcycles", "sm_mhz", "power_w")}
                 d["us_per_launch"] = statistics.median(slowest[(name, p)] - slowest[(base, p)] for p in phases)
                 d["pairs"], d["phases"] = len(diffs), len(phases)
-                # on the rank whose base is slowest, no waiting for a peer hides in a coupled kernel's cycles
-                slow = [(a, b) for a, b in diffs if a["rank"] == slow_rank]
+                slow = [(a, b) for a, b in diffs if slow_rank.get(a["phase"]) == a["rank"]]
                 if slow:
                     d["slow_rank"] = {key: statistics.median(a[key] - b[key] for a, b in slow)
                                       for key in ("mcycles", "sm_mhz", "power_w")}
-                    d["slow_rank"]["rank"] = slow_rank
+                    d["slow_rank"]["phases"] = len(slow)
                 per[name]["minus_" + base] = d
         out[shape] = per
     return out
+
+
+BUILT_IN = ("fa_ours", "fused", "fused_visible", "fused_self", "serial_ours_nccl", "serial_ours_symm", "fa4",
+            "serial_fa4_nccl")
+
+
+def parse_variants(text: str) -> dict:
+    """``--variants`` JSON: {name: knobs}. Refuses a name given twice (plain json.loads keeps the last one
+    silently: a run once lost a column so) and a column name that a built-in column already has."""
+    def no_duplicates(pairs):
+        names = [k for k, _ in pairs]
+        twice = sorted({k for k in names if names.count(k) > 1})
+        if twice:
+            raise ValueError(f"--variants names {twice} more than once: give every variant its own name")
+        return dict(pairs)
+
+    variants = json.loads(text, object_pairs_hook=no_duplicates)
+    for name, knobs in variants.items():
+        column = ("fused_" if "mode" in knobs else "fa_ours_") + name
+        if column in BUILT_IN:
+            raise ValueError(f"variant {name!r} would replace the built-in column {column!r}: rename it")
+    return variants
 
 
 COLUMN_STYLE = {  # column -> (label, colour); the plot's order
@@ -152,14 +177,14 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
     fa4 = None if args.no_fa4 else _baselines().get("fa4")
     fused = FusedAttentionA2A(group)
     a2a = SymmetricUlyssesA2A(group)
-    target = _smi_target(rank)
-    probe = subprocess.run(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i",
-                            target], capture_output=True, text=True, check=False)
-    if probe.returncode != 0:
+    def smi_ok(fields: str, target: str) -> bool:
+        return subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i",
+                               target], capture_output=True, text=True, check=False).returncode == 0
+
+    target = _smi_target(rank)  # this rank's GPU by UUID (nvidia-smi's index need not be CUDA's), else index
+    if not smi_ok("name", target):
         target = str(rank)
-    probe = subprocess.run(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i",
-                            target], capture_output=True, text=True, check=False)
-    fields = SMI_FIELDS if probe.returncode == 0 else SMI_FIELDS_OLD
+    fields = SMI_FIELDS if smi_ok(SMI_FIELDS, target) else SMI_FIELDS_OLD  # an older driver: no reasons field
     log = tempfile.TemporaryFile(mode="w+")
     smi = start_sampler(fields, target, args.sample_ms, log)
     token = torch.zeros(1, device="cuda")
@@ -238,7 +263,10 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
     finally:
         time.sleep(0.2)
         smi.terminate()
-        smi.wait(timeout=10)
+        try:
+            smi.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # never hide the exception that brought us here
+            smi.kill()
         log.seek(0)
         text = log.read()
     samples = parse_smi(text.splitlines())
@@ -276,8 +304,8 @@ def _worker(rank: int, world: int, init_file: str, args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="result JSON (its figure beside it, .png)")
-    p.add_argument("--plot", metavar="JSON", help="recompute a saved result's summary from its phases and redraw "
-                                                  "its figure (no GPU)")
+    p.add_argument("--plot", metavar="JSON", help="recompute a saved result's summary from its phases, write it "
+                                                  "back into the JSON and redraw its figure (no GPU)")
     p.add_argument("--shapes", nargs="+", default=["1x49152x12", "1x32768x12", "1x65536x3"],
                    help="b x S x heads per rank (d = 128)")
     p.add_argument("--phases", type=int, default=6)
@@ -286,7 +314,7 @@ def main(argv=None) -> None:
     p.add_argument("--sample-ms", type=int, default=20)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--no-fa4", action="store_true", help="leave flash-attn-4 out")
-    p.add_argument("--variants", type=json.loads, default={}, metavar="JSON",
+    p.add_argument("--variants", default="{}", metavar="JSON",
                    help='extra columns as in xstage bench flash-a2a: {"name": {knobs}}: fused_<name> where the '
                         'knobs hold a "mode", else fa_ours_<name>, e.g. \'{"rf": {"mode": "piggyback", '
                         '"remote_first": true}}\'')
@@ -304,6 +332,10 @@ def main(argv=None) -> None:
         return
     if not args.out:
         p.error("--out is required (or --plot JSON)")
+    try:
+        args.variants = parse_variants(args.variants)
+    except ValueError as e:  # json.JSONDecodeError is one too
+        p.error(f"--variants: {e}")
     from cute_kernels.dist import spawn_ranks
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -108,8 +108,8 @@ def tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, turn: bool 
     2. groups [G - k, G): their P - 1 remote tiles, destinations rotating from rank + 1;
     3. groups [G - k, G): their local tile, the last round (``local_tail``).
     ``turn=True``: stretch 1 with the turn (a measured alternative; False, the default, is the walk as it was).
-    ``remote_first=True`` (a measured alternative): every remote tile first (group fastest, destinations
-    rotating from rank + 1), then every local tile, so the links carry the kernel's stores in its first
+    ``remote_first=True`` (a measured alternative): every remote tile first (a group's P - 1 remote tiles
+    in a row, destinations rotating from rank + 1; group = t // (P - 1)), then every local tile, so the links carry the kernel's stores in its first
     (P-1)/P and idle for the rest (under the board's power cap, links kept busy all kernel long cost SM clock:
     benchmarks/fused_clocks.py; this walk did not lower that cost on H200); the walk still ends on local
     tiles, as ``local_tail`` asks.

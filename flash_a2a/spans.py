@@ -27,11 +27,11 @@ def _pct(x: np.ndarray) -> dict:
 
 def summarize_spans(spans, *, world: int, rank: int, n_mb_per_rank: int, h_loc: int, batch: int, grid: int,
                     bytes_per_row_half: int, warpgroups: int = 2, cross_halves: bool = False,
-                    turn_destinations: bool = False) -> dict:
+                    turn_destinations: bool = False, remote_first: bool = False) -> dict:
     """Summary of one instrumented launch. ``spans``: (n_tiles * warpgroups, 4) int64 array (numpy or a CPU
     tensor); ``bytes_per_row_half``: bytes one warpgroup stores per tile (64 rows x d x element size);
-    ``cross_halves``, ``turn_destinations``: the launch's tile walk (flash_a2a.mapping.tile_halves), which
-    gives each row's destination."""
+    ``cross_halves``, ``turn_destinations``, ``remote_first``: the launch's tile walk
+    (flash_a2a.mapping.tile_halves), which gives each row's destination."""
     a = np.asarray(spans, dtype=np.int64)
     n_tiles = n_mb_per_rank * world * h_loc * batch
     if a.ndim != 2 or a.shape[1] != 4 or a.shape[0] < n_tiles * warpgroups:
@@ -48,7 +48,8 @@ def summarize_spans(spans, *, world: int, rank: int, n_mb_per_rank: int, h_loc: 
         raise ValueError("the kernel has two MMA warpgroups per tile (warpgroups=2)")
     tiles = np.repeat(np.arange(n_tiles), warpgroups)
     dest = np.array([tile_halves(int(t), world, n_mb_per_rank, h_loc, rank, n_tiles, grid, cross_halves,
-                                 turn_destinations)[4:] for t in range(n_tiles)]).reshape(-1)  # row t * 2 + wg
+                                 turn_destinations, remote_first)[4:]
+                     for t in range(n_tiles)]).reshape(-1)  # row t * 2 + wg
     remote = dest != rank
     rounds = tiles // grid
     t_begin = gt0.min()

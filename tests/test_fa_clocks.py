@@ -7,6 +7,8 @@ import pathlib
 import random
 import statistics
 
+import pytest
+
 _spec = importlib.util.spec_from_file_location(
     "fa_clocks", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fa_clocks.py")
 fa_clocks = importlib.util.module_from_spec(_spec)
@@ -57,59 +59,74 @@ def test_fused_clocks_rotates_the_kernels():
     assert fused_clocks.phase_order(names, 3) == names
 
 
-def test_fused_clocks_splits_time_into_cycles_and_clock():
+@pytest.mark.parametrize("flip", [False, True])
+def test_fused_clocks_splits_time_into_cycles_and_clock(flip):
     # fused: the same cycles as FA-only at a clock 2% lower in every phase; self: 1% more cycles, same clock.
-    # Rank 1's GPU runs 3% faster; the fused kernels hold the ranks together (each takes the slower's time),
-    # so their time is compared with FA-only's slowest rank, phase by phase.
+    # One GPU runs 3% faster (with flip, GPU 0 in odd phases, GPU 1 in even ones); the fused kernels hold the
+    # ranks together (each takes the slower's time), so their time is compared with FA-only's slowest rank,
+    # and their clock and cycles on the phase's slower GPU, where no wait for the peer counts as cycles.
     rng = random.Random(7)
     rows = []
     for phase in range(4):
         mhz = 1600.0 + rng.uniform(-40, 40)  # drift shared by the kernels of one phase
+        fast = (phase + 1) % 2 if flip else 1
         for name, cycles, scale in (("fa_ours", 35.0, 1.0), ("fused", 35.0, 0.98), ("fused_self", 35.35, 1.0)):
-            own = [cycles * 1e6 / (mhz * scale * (1.0 + 0.03 * rank)) for rank in range(2)]
+            clocks = [mhz * scale * (1.03 if rank == fast else 1.0) for rank in range(2)]
+            own = [cycles * 1e6 / c for c in clocks]
             for rank in range(2):
-                clock = mhz * scale * (1.0 + 0.03 * rank)
                 us = own[rank] if name == "fa_ours" else max(own)
                 rows.append({"shape": "1x49152x12", "kernel": name, "phase": phase, "rank": rank, "samples": 9,
-                             "us_per_launch": us, "sm_mhz": clock, "power_w": 690.0, "temp_c": 60.0,
-                             "mcycles": us * clock / 1e6, "mj_per_launch": us * 690.0 / 1e3})
-    rows.append({"shape": "1x49152x12", "kernel": "fused", "phase": 9, "rank": 0, "samples": 0})  # no samples
+                             "us_per_launch": us, "sm_mhz": clocks[rank], "power_w": 690.0, "temp_c": 60.0,
+                             "mcycles": us * clocks[rank] / 1e6, "mj_per_launch": us * 690.0 / 1e3})
+    rows.append({"shape": "1x49152x12", "kernel": "fused", "phase": 9, "rank": 0, "samples": 0,
+                 "us_per_launch": 1e9})  # no samples, but timed: it counts in the time, not in the clocks
     per = fused_clocks.summarize_kernels(rows)["1x49152x12"]
     assert per["fa_ours"]["phases"] == 4 and per["fused"]["phases"] == 4
     d_fused, d_self = per["fused"]["minus_fa_ours"], per["fused_self"]["minus_fa_ours"]
-    slow_fa = [max(r["us_per_launch"] for r in rows if r["kernel"] == "fa_ours" and r.get("phase") == p)
+    slow_fa = [max(r["us_per_launch"] for r in rows if r["kernel"] == "fa_ours" and r["phase"] == p)
                for p in range(4)]
     # time: against FA-only's slower rank, so only the fused kernel's own 2% clock shows, none of the ranks'
     assert abs(d_fused["us_per_launch"] / statistics.median(slow_fa) - 1 / 0.98 + 1) < 2e-3
     assert abs(d_self["us_per_launch"] / statistics.median(slow_fa) - 0.01) < 2e-3
-    # clock on the slow rank, where no waiting for a peer hides in the cycles: the 2% and nothing for self
-    slow_rank = [r for r in rows if r.get("rank") == 0 and r.get("samples")]
-    per0 = fused_clocks.summarize_kernels(slow_rank)["1x49152x12"]
-    assert abs(per0["fused"]["minus_fa_ours"]["mcycles"]) < 1e-9 and per0["fused"]["minus_fa_ours"]["sm_mhz"] < -25
-    assert abs(per0["fused_self"]["minus_fa_ours"]["mcycles"] - 0.35) < 1e-9
-    assert "minus_fa_ours" not in per["fa_ours"] and d_self["pairs"] == 8 and d_self["phases"] == 4
-    # the same from the full rows: the slow rank's part is rank 0's
-    assert d_fused["slow_rank"]["rank"] == 0 and d_fused["slow_rank"] == {**per0["fused"]["minus_fa_ours"]["slow_rank"]}
-    assert abs(d_self["slow_rank"]["mcycles"] - 0.35) < 1e-9
+    # on the slower GPU of each phase: the fused kernel's 2% clock at equal cycles, the self-store's cycles
+    assert abs(d_fused["slow_rank"]["mcycles"]) < 1e-9 and d_fused["slow_rank"]["sm_mhz"] < -25
+    assert abs(d_self["slow_rank"]["mcycles"] - 0.35) < 1e-9 and abs(d_self["slow_rank"]["sm_mhz"]) < 1e-9
+    assert d_self["slow_rank"]["phases"] == 4 and d_self["pairs"] == 8 and d_self["phases"] == 4
+    # over both ranks the faster GPU's wait shows up as cycles (why the slow rank is read)
+    assert d_self["mcycles"] > 0.35 + 0.1
+    assert "minus_fa_ours" not in per["fa_ours"]
+    assert per["fused"]["us_per_launch"] < 1e6  # the unsampled row's phase has no FA-only phase to pair
+
+
+def test_fused_clocks_refuses_ambiguous_variants():
+    assert fused_clocks.parse_variants('{"rf": {"mode": "piggyback"}, "orf": {}}') == {
+        "rf": {"mode": "piggyback"}, "orf": {}}
+    with pytest.raises(ValueError, match="more than once"):
+        fused_clocks.parse_variants('{"rf": {"mode": "piggyback"}, "rf": {"remote_first": true}}')
+    with pytest.raises(ValueError, match="built-in column 'fused_self'"):
+        fused_clocks.parse_variants('{"self": {"mode": "piggyback"}}')
 
 
 def test_sampler_child_dies_with_its_parent_and_keeps_no_pipe(tmp_path):
     """A sampler started by a process that is then killed is ended too, and holds none of the caller's pipes
-    (a two-rank run whose rank failed once left nvidia-smi holding `| tee` open until the call's limit)."""
+    (a two-rank run whose rank failed once left nvidia-smi holding `| tee` open until the call's limit: its
+    stderr was the rank's)."""
     import subprocess
     import sys
     import time
 
     bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
     code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import fa_clocks; "
-            "p = fa_clocks.spawn_tied(['sleep', '60'], open(sys.argv[2], 'w')); print(p.pid, flush=True); "
-            "time.sleep(60)")
+            "p = fa_clocks.spawn_tied(['sleep', '600'], open(sys.argv[2], 'w')); print(p.pid, flush=True); "
+            "time.sleep(600)")
     parent = subprocess.Popen([sys.executable, "-c", code, str(bench), str(tmp_path / "log")],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     parent.kill()
-    parent.wait()
-    assert parent.stdout.read() == ""  # EOF at once: the child does not hold the pipe
+    # EOF on both pipes at once: the child holds neither (else this times out while it sleeps)
+    out, err = parent.communicate(timeout=20)
+    assert out == "" and err == ""
+
     def alive(pid: int) -> bool:  # a zombie (killed, not yet reaped by an init that may never reap) is dead
         try:
             with open(f"/proc/{pid}/stat") as f:

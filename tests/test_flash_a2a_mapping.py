@@ -47,9 +47,9 @@ def test_bad_shapes_name_the_fix(s, h, p, tile, match):
         check_ulysses_shapes(s, h, p, tile)
 
 
-@pytest.mark.parametrize("turn", [True, False, "remote_first"])
+@pytest.mark.parametrize("walk", ["turn", "default", "remote_first"])
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
-def test_fused_kernel_tile_walk_covers_every_tile_and_lands_like_the_reference(world, turn):
+def test_fused_kernel_tile_walk_covers_every_tile_and_lands_like_the_reference(world, walk):
     """The fused kernel's tile order (flash_a2a.mapping.tile_coords) and its epilogue index math, run on
     CPU tensors: every (m_block, head, batch) tile is visited once and lands where the A2A puts it."""
     pytest.importorskip("cutlass")
@@ -67,8 +67,8 @@ def test_fused_kernel_tile_walk_covers_every_tile_and_lands_like_the_reference(w
     for rank in range(world):
         seen = set()
         for t in range(n_tiles):
-            walk = {"remote_first": True} if turn == "remote_first" else {"turn": turn}
-            m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, **walk)
+            knobs = {"turn": walk == "turn", "remote_first": walk == "remote_first"}
+            m_block, h, bb, dest = tile_coords(t, world, n_mb_per_rank, h_loc, rank, n_tiles, grid, **knobs)
             seen.add((m_block, h, bb))
             row0 = m_block * TILE_M
             assert dest == destination(row0, h, rank, s, h_loc * world, world)[0]

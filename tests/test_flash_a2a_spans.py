@@ -12,11 +12,11 @@ from flash_a2a.spans import summarize_ready, summarize_spans
 
 
 def _dump(world, rank, n_mb, h_loc, batch, grid, clock_ghz, t_tile_us, remote_issue_us, local_issue_us,
-          turn=False):
+          turn=False, remote_first=False):
     n_tiles = n_mb * world * h_loc * batch
     rows = []
     for t in range(n_tiles):
-        dest = tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid, turn)[3]
+        dest = tile_coords(t, world, n_mb, h_loc, rank, n_tiles, grid, turn, remote_first)[3]
         issue = remote_issue_us if dest != rank else local_issue_us
         for wg in range(2):
             start_ns = 1_000_000 + ((t // grid) + 1) * t_tile_us * 1e3 + wg * 300
@@ -25,9 +25,11 @@ def _dump(world, rank, n_mb, h_loc, batch, grid, clock_ghz, t_tile_us, remote_is
     return np.array(rows, dtype=np.int64)
 
 
-@pytest.mark.parametrize("turn", [False, True])
-def test_summary_separates_remote_and_local_issue_and_counts_rounds(turn):
-    """Both walks (``turn_destinations``): the reader must take the launch's walk to tell the rows apart."""
+@pytest.mark.parametrize("walk", ["default", "turn", "remote_first"])
+def test_summary_separates_remote_and_local_issue_and_counts_rounds(walk):
+    """Every walk (``turn_destinations``, ``remote_first``): the reader must take the launch's walk to tell
+    the rows apart."""
+    turn, remote_first = walk == "turn", walk == "remote_first"
     rng = random.Random()
     world, rank = 2, rng.randrange(2)
     # at least 8 remote rows with multi-µs spans, so the dump calibrates its own clock; an even grid and a
@@ -35,9 +37,9 @@ def test_summary_separates_remote_and_local_issue_and_counts_rounds(turn):
     n_mb, h_loc, batch, grid = rng.randint(8, 10), rng.randint(2, 3), 1, 2 * rng.randint(2, 4)
     clock = rng.uniform(1.5, 2.0)
     rem, loc = rng.uniform(2.5, 5.0), rng.uniform(0.2, 0.5)
-    spans = _dump(world, rank, n_mb, h_loc, batch, grid, clock, 50.0, rem, loc, turn)
+    spans = _dump(world, rank, n_mb, h_loc, batch, grid, clock, 50.0, rem, loc, turn, remote_first)
     s = summarize_spans(spans, world=world, rank=rank, n_mb_per_rank=n_mb, h_loc=h_loc, batch=batch, grid=grid,
-                        bytes_per_row_half=16384, turn_destinations=turn)
+                        bytes_per_row_half=16384, turn_destinations=turn, remote_first=remote_first)
     assert s["clock_ghz"] == pytest.approx(clock, rel=0.02)
     assert s["issue_us_remote"]["p50"] == pytest.approx(rem, rel=0.03)
     assert s["issue_us_local"]["p50"] == pytest.approx(loc, rel=0.1)
