@@ -65,6 +65,45 @@ def _tie_to_parent():
     return tie
 
 
+def smi_ok(fields: str, target: str) -> bool:
+    """Whether ``nvidia-smi`` answers a query of ``fields`` for GPU ``target``."""
+    return subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", target],
+                          capture_output=True, text=True, check=False).returncode == 0
+
+
+def open_sampler(target: str, sample_ms: int):
+    """(sampler, log): ``start_sampler`` for GPU ``target`` into a fresh temporary file, with the clock-event
+    reasons where the driver has that field (``SMI_FIELDS_OLD`` where it does not)."""
+    fields = SMI_FIELDS if smi_ok(SMI_FIELDS, target) else SMI_FIELDS_OLD
+    log = tempfile.TemporaryFile(mode="w+")
+    return start_sampler(fields, target, sample_ms, log), log
+
+
+def close_sampler(smi, log) -> list:
+    """Stop a sampler (killed if it does not end within 10 s, so a caller's exception is never hidden by a
+    timeout here) and parse what it wrote (``parse_smi``)."""
+    time.sleep(0.2)
+    smi.terminate()
+    try:
+        smi.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        smi.kill()
+    log.seek(0)
+    return parse_smi(log.read().splitlines())
+
+
+def annotate_phases(rows: list[dict], samples, settle: float) -> None:
+    """Give every phase row (``t0``, ``t1``, ``us_per_launch``) the summary of the samples inside it and,
+    where it has samples, its clock-normalized work (cycles per launch at the phase's median SM clock) and
+    board energy per launch: under the power cap, the kernel with fewer joules per launch gets the higher
+    clock."""
+    for r in rows:
+        r.update(summarize(phase_samples(samples, r["t0"], r["t1"], settle)))
+        if r["samples"]:
+            r["mcycles"] = r["us_per_launch"] * r["sm_mhz"] / 1e6
+            r["mj_per_launch"] = r["us_per_launch"] * r["power_w"] / 1e3
+
+
 def start_sampler(fields: str, target: str, sample_ms: int, log):
     """``nvidia-smi --loop-ms`` for GPU ``target`` writing CSV rows to the open file ``log`` (a file, not a
     pipe: a pipe read only at the end fills, ~20 s of samples, and stalls it). Its stdin and stderr are not
@@ -108,12 +147,7 @@ def _run(args) -> dict:
         raise SystemExit(f"flash-attn-4 is needed here: {baselines.get('fa4_error')}")
     fa4 = baselines["fa4"]
 
-    dev = str(torch.cuda.current_device())
-    probe = subprocess.run(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i", dev],
-                           capture_output=True, text=True, check=False)
-    fields = SMI_FIELDS if probe.returncode == 0 else SMI_FIELDS_OLD
-    log = tempfile.TemporaryFile(mode="w+")
-    smi = start_sampler(fields, dev, args.sample_ms, log)
+    smi, log = open_sampler(str(torch.cuda.current_device()), args.sample_ms)
     rows = []
     try:
         for spec in args.shapes:
@@ -157,19 +191,8 @@ def _run(args) -> dict:
             del q, k, v, graphs
             torch.cuda.empty_cache()
     finally:
-        time.sleep(0.2)
-        smi.terminate()
-        smi.wait(timeout=10)
-        log.seek(0)
-        text = log.read()
-    samples = parse_smi(text.splitlines())
-    for r in rows:
-        r.update(summarize(phase_samples(samples, r["t0"], r["t1"], args.settle)))
-        if r["samples"]:
-            # Clock-normalized work (cycles per launch at the phase's median SM clock) and board energy per
-            # launch: under the power cap, the kernel with fewer joules per launch gets the higher clock.
-            r["mcycles"] = r["us_per_launch"] * r["sm_mhz"] / 1e6
-            r["mj_per_launch"] = r["us_per_launch"] * r["power_w"] / 1e3
+        samples = close_sampler(smi, log)
+    annotate_phases(rows, samples, args.settle)
     summary = {}
     for spec in args.shapes:
         for name in ("fa_ours", "fa4"):

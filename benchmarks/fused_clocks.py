@@ -21,14 +21,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fa_clocks import (SMI_FIELDS, SMI_FIELDS_OLD, parse_smi, phase_samples, start_sampler,  # noqa: E402
-                       summarize)
+from fa_clocks import annotate_phases, close_sampler, open_sampler, smi_ok  # noqa: E402
 
 KEYS = ("us_per_launch", "sm_mhz", "power_w", "temp_c", "mcycles", "mj_per_launch")
 
@@ -177,16 +174,10 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
     fa4 = None if args.no_fa4 else _baselines().get("fa4")
     fused = FusedAttentionA2A(group)
     a2a = SymmetricUlyssesA2A(group)
-    def smi_ok(fields: str, target: str) -> bool:
-        return subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i",
-                               target], capture_output=True, text=True, check=False).returncode == 0
-
     target = _smi_target(rank)  # this rank's GPU by UUID (nvidia-smi's index need not be CUDA's), else index
     if not smi_ok("name", target):
         target = str(rank)
-    fields = SMI_FIELDS if smi_ok(SMI_FIELDS, target) else SMI_FIELDS_OLD  # an older driver: no reasons field
-    log = tempfile.TemporaryFile(mode="w+")
-    smi = start_sampler(fields, target, args.sample_ms, log)
+    smi, log = open_sampler(target, args.sample_ms)
     token = torch.zeros(1, device="cuda")
     rows = []
     try:
@@ -261,20 +252,8 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
             del q, k, v, o, graphs
             torch.cuda.empty_cache()
     finally:
-        time.sleep(0.2)
-        smi.terminate()
-        try:
-            smi.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # never hide the exception that brought us here
-            smi.kill()
-        log.seek(0)
-        text = log.read()
-    samples = parse_smi(text.splitlines())
-    for r in rows:
-        r.update(summarize(phase_samples(samples, r["t0"], r["t1"], args.settle)))
-        if r["samples"]:
-            r["mcycles"] = r["us_per_launch"] * r["sm_mhz"] / 1e6
-            r["mj_per_launch"] = r["us_per_launch"] * r["power_w"] / 1e3
+        samples = close_sampler(smi, log)
+    annotate_phases(rows, samples, args.settle)
     return rows
 
 
