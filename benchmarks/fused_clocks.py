@@ -7,7 +7,10 @@ same kernel for the same number of launches per phase (the fused kernel's peers 
 kernels taking turns over ``--phases`` phases in a rotated order, while ``nvidia-smi -lms`` samples each
 rank's own GPU. Per phase and rank: the median time per launch (CUDA events around batches of replays)
 and the median of the samples inside it (its first ``--settle`` seconds dropped); cycles per launch are the
-time times that median SM clock. Columns: FA-only in the fused walk (``fa_ours``, as in the benchmark), the
+time times that median SM clock. Columns: FA-only in the fused walk (``fa_ours``, as in the benchmark), and
+FA-only whose every launch then stores 16 bytes into each peer (``fa_ours_awake``: NVLink kept out of its
+low-power state, as in a model whose every step uses it) or the same bytes into local memory
+(``fa_ours_tiny``, its control), the
 fused default (sender-side, ``wait=False``) and as the API returns it (``fused_visible``: the receiver's wait
 for every peer's data included), its self-store control (the same kernel storing every tile into its own
 buffer: no NVLink), the serial compositions (our FA-only, then the NCCL All-to-All as yunchang does it, or our
@@ -85,7 +88,42 @@ def summarize_kernels(rows: list[dict], base: str = "fa_ours") -> dict:
     return out
 
 
-BUILT_IN = ("fa_ours", "fused", "fused_visible", "fused_self", "serial_ours_nccl", "serial_ours_symm", "fa4",
+AWAKE = "fa_ours_awake"
+SERIAL = ("serial_ours_nccl", "serial_ours_symm", "serial_fa4_nccl")
+
+
+def summaries(rows: list[dict]) -> dict:
+    """``summary`` (differences from FA-only), ``summary_awake`` (from FA-only with NVLink kept awake, where
+    the run has that column) and ``hiding`` over both."""
+    out = {"summary": summarize_kernels(rows)}
+    if any(r["kernel"] == AWAKE for r in rows):
+        out["summary_awake"] = summarize_kernels(rows, base=AWAKE)
+    out["hiding"] = hiding(out)
+    return out
+
+
+def hiding(sums: dict) -> dict:
+    """Per shape and (fused column, serial column): H = 1 - E / X, E the fused column's time over the base and X
+    the serial composition's, both phase-matched medians of the slowest rank (``summarize_kernels``), for
+    the base FA-only (``fa_ours``: its links fall asleep 50 ms into a phase of it) and FA-only whose launches
+    keep the links awake (``fa_ours_awake``, as in a model whose every step uses NVLink). The self-store
+    control is no fused column here."""
+    out: dict = {}
+    for key, base in (("summary", "fa_ours"), ("summary_awake", AWAKE)):
+        for shape, per in sums.get(key, {}).items():
+            for col in per:
+                if not col.startswith("fused") or col == "fused_self":
+                    continue
+                e = per[col].get("minus_" + base)
+                for ser in SERIAL:
+                    x = per.get(ser, {}).get("minus_" + base)
+                    if e and x and x["us_per_launch"] > 0:
+                        out.setdefault(shape, {}).setdefault(f"{col}/{ser}", {})[base] = \
+                            1.0 - e["us_per_launch"] / x["us_per_launch"]
+    return out
+
+
+BUILT_IN = ("fa_ours", "fa_ours_awake", "fa_ours_tiny", "fused", "fused_visible", "fused_self", "serial_ours_nccl", "serial_ours_symm", "fa4",
             "serial_fa4_nccl")
 
 
@@ -108,6 +146,8 @@ def parse_variants(text: str) -> dict:
 
 
 COLUMN_STYLE = {  # column -> (label, colour); the plot's order
+    "fa_ours_awake": ("FA-only, NVLink kept awake", "tab:olive"),
+    "fa_ours_tiny": ("FA-only, the same store local", "tab:green"),
     "fused": ("fused (sender-side)", "tab:blue"), "fused_visible": ("fused (output complete)", "tab:blue"),
     "fused_self": ("fused, self-store (no NVLink)", "tab:cyan"),
     "serial_ours_nccl": ("ours + NCCL A2A", "tab:orange"), "serial_ours_symm": ("ours + symm. A2A", "tab:red"),
@@ -165,6 +205,7 @@ def _smi_target(rank: int) -> str:
 def _run(rank: int, world: int, group, args) -> list[dict]:
     import torch
     import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
 
     from flash_a2a.a2a import SymmetricUlyssesA2A, nccl_post_a2a
     from flash_a2a.api import FUSED_WALK, FusedAttentionA2A, flash_attention
@@ -174,6 +215,13 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
     fa4 = None if args.no_fa4 else _baselines().get("fa4")
     fused = FusedAttentionA2A(group)
     a2a = SymmetricUlyssesA2A(group)
+    # Keep-alive words: one 16-byte store into every peer per launch keeps NVLink out of its low-power state
+    # (entered after 50 ms idle on the H200s; link_power.py: +29.5 W per GPU while awake), as any Ulysses step
+    # does; the same store into local memory is its control.
+    keep = symm_mem.empty(4, dtype=torch.int32, device="cuda")
+    keep_hdl = symm_mem.rendezvous(keep, group)
+    keep_peers = [keep_hdl.get_buffer(j, (4,), torch.int32) for j in range(world) if j != rank]
+    keep_local = torch.zeros(max(1, world - 1), 4, dtype=torch.int32, device="cuda").unbind(0)
     target = _smi_target(rank)  # this rank's GPU by UUID (nvidia-smi's index need not be CUDA's), else index
     if not smi_ok("name", target):
         target = str(rank)
@@ -186,7 +234,21 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
             q, k, v = (torch.randn(b, s, h, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
             o = torch.empty_like(q)
             order = {"tile_order_world": world, "tile_order_rank": rank, **FUSED_WALK}
-            every = {"fa_ours": lambda: flash_attention(q, k, v, out=o, **order),
+
+            def fa_only():
+                flash_attention(q, k, v, out=o, **order)
+
+            def awake():  # FA-only, then 16 bytes into every peer: NVLink stays awake
+                fa_only()
+                for word in keep_peers:
+                    word.fill_(1)
+
+            def tiny():  # its control: the same stores into local memory
+                fa_only()
+                for word in keep_local:
+                    word.fill_(1)
+
+            every = {"fa_ours": fa_only, "fa_ours_awake": awake, "fa_ours_tiny": tiny,
                      "fused": lambda: fused.launch(q, k, v, mode="piggyback", wait=False),
                      "fused_visible": lambda: fused.launch(q, k, v, mode="piggyback", wait=True),
                      "fused_self": lambda: fused.launch(q, k, v, mode="piggyback", wait=False, self_store=True),
@@ -270,7 +332,7 @@ def _worker(rank: int, world: int, init_file: str, args) -> None:
     if rank == 0:
         every = [r for part in gathered for r in part]
         result = {"provenance": provenance(" ".join(sys.argv)), "args": vars(args), "world": world,
-                  "summary": summarize_kernels(every), "phases": every}
+                  **summaries(every), "phases": every}
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         plot(result, os.path.splitext(args.out)[0] + ".png")
@@ -278,6 +340,7 @@ def _worker(rank: int, world: int, init_file: str, args) -> None:
             for name, val in per.items():
                 print(shape, name, {k: (round(x, 2) if isinstance(x, float) else x) for k, x in val.items()
                                     if not isinstance(x, dict)}, val.get("minus_fa_ours", ""), flush=True)
+        print(json.dumps(result["hiding"], indent=1), flush=True)
 
 
 def main(argv=None) -> None:
@@ -298,13 +361,13 @@ def main(argv=None) -> None:
                         'knobs hold a "mode", else fa_ours_<name>, e.g. \'{"rf": {"mode": "piggyback", '
                         '"remote_first": true}}\'')
     p.add_argument("--skip", nargs="*", default=[],
-                   help="columns to leave out (fused, fused_visible, fused_self, serial_ours_nccl, serial_ours_symm, "
-                        "fa4, serial_fa4_nccl)")
+                   help="columns to leave out (fa_ours_awake, fa_ours_tiny, fused, fused_visible, fused_self, "
+                        "serial_ours_nccl, serial_ours_symm, fa4, serial_fa4_nccl)")
     args = p.parse_args(argv)
     if args.plot:  # the summary again from the phases (its definition may be newer than the run), then the figure
         with open(args.plot) as f:
             result = json.load(f)
-        result["summary"] = summarize_kernels(result["phases"])
+        result.update(summaries(result["phases"]))
         with open(args.plot, "w") as f:
             json.dump(result, f, indent=1)
         plot(result, os.path.splitext(args.plot)[0] + ".png")

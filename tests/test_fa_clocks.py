@@ -140,3 +140,66 @@ def test_sampler_child_dies_with_its_parent_and_keeps_no_pipe(tmp_path):
         time.sleep(0.05)
     else:
         raise AssertionError("the sampler outlived its parent")
+
+
+_spec3 = importlib.util.spec_from_file_location(
+    "link_power", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "link_power.py")
+link_power = importlib.util.module_from_spec(_spec3)
+_spec3.loader.exec_module(link_power)
+
+
+def test_link_power_pairs_peer_and_local_rows_of_the_same_rank_and_phase():
+    """The peer - local difference is taken per (rank, phase), so a drift shared by both rows cancels and a
+    rank's own offset never mixes into another's; rows without samples are left out."""
+    rng = random.Random()
+    link_w = rng.uniform(5.0, 40.0)
+    rows, expect = [], []
+    for rank, offset in ((0, 0.0), (1, rng.uniform(20.0, 60.0))):  # rank 1's board draws more throughout
+        for phase in range(3):
+            drift = 10.0 * phase  # the board warms up: both rows of a phase see it
+            rows.append({"rank": rank, "phase": phase, "load": "idle", "target": "none", "samples": 5,
+                         "power_w": 80.0 + offset, "sm_mhz": 345.0})
+            local = 150.0 + offset + drift
+            rows.append({"rank": rank, "phase": phase, "load": "trickle", "target": "local", "samples": 5,
+                         "power_w": local, "sm_mhz": 1980.0, "gb_per_s": 1.6})
+            rows.append({"rank": rank, "phase": phase, "load": "trickle", "target": "peer", "samples": 5,
+                         "power_w": local + link_w, "sm_mhz": 1980.0 - phase, "gb_per_s": 1.5})
+            expect.append(link_w)
+    rows.append({"rank": 0, "phase": 3, "load": "trickle", "target": "peer", "samples": 0})  # no samples: out
+    s = link_power.summarize_loads(rows)
+    diff = s["trickle"]["peer_minus_local"]
+    assert diff["power_w"] == pytest.approx(link_w)
+    assert diff["pairs"] == 6 and diff["sm_mhz"] == pytest.approx(-1.0)
+    assert s["trickle"]["peer"]["gb_per_s"] == 1.5 and s["idle"]["sm_mhz"] == 345.0
+
+
+def test_link_power_loads_fit_the_burst_kernel():
+    """Every load's bursts are whole 128-bit stores for 128 threads and fit the probe's default region."""
+    for name, (producers, burst_bytes, gap_kind, gap, bursts) in link_power.LOADS.items():
+        assert gap_kind in ("spin", "fma") and gap >= 0 and bursts > 0, name
+        assert burst_bytes % (16 * 128) == 0, name
+        assert producers * burst_bytes <= 16 << 20, name
+
+
+def test_fused_clocks_hiding_over_both_bases():
+    """H = 1 - E/X from phase-matched rank-max times, over FA-only and over FA-only with NVLink kept awake;
+    the self-store control is no fused column."""
+    rng = random.Random()
+    fa, link, fused_over_awake, serial_over_awake = 20000.0, rng.uniform(200, 400), rng.uniform(0, 100), 800.0
+    times = {"fa_ours": fa, "fa_ours_awake": fa + link, "fused": fa + link + fused_over_awake,
+             "fused_self": fa + 50.0, "serial_ours_nccl": fa + link + serial_over_awake}
+    rows = []
+    for phase in range(3):
+        drift = rng.uniform(-30, 30)
+        for name, us in times.items():
+            for rank in range(2):
+                rows.append({"shape": "1x49152x12", "kernel": name, "phase": phase, "rank": rank, "samples": 9,
+                             "us_per_launch": us + drift - 5.0 * rank, "sm_mhz": 1600.0, "power_w": 690.0,
+                             "temp_c": 60.0, "mcycles": 30.0, "mj_per_launch": 14000.0})
+    h = fused_clocks.summaries(rows)["hiding"]["1x49152x12"]
+    assert set(h) == {"fused/serial_ours_nccl"}
+    over_fa = 1 - (link + fused_over_awake) / (link + serial_over_awake)
+    assert h["fused/serial_ours_nccl"]["fa_ours"] == pytest.approx(over_fa)
+    assert h["fused/serial_ours_nccl"]["fa_ours_awake"] == pytest.approx(1 - fused_over_awake / serial_over_awake)
+    no_awake = [r for r in rows if r["kernel"] != "fa_ours_awake"]
+    assert set(fused_clocks.summaries(no_awake)["hiding"]["1x49152x12"]["fused/serial_ours_nccl"]) == {"fa_ours"}

@@ -505,7 +505,7 @@ def _worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_matches_local_plus_reference_a2a(tmp_path):
     for res in run_ranks(_worker, tmp_path):
-        assert res["checked"] == 2 * (3 * 20 + 10 + 6 + 3) + 3  # two draws per (shape, variant), three graph replays
+        assert res["checked"] == 2 * (3 * 20 + 10 + 7 + 3) + 3  # two draws per (shape, variant), three graph replays
         assert res["ulysses_err"] <= 1e-2, res
         assert len(res["errors"]) == 2
         assert res["spans_ok"], "instrumented launch must match and fill every span row in order"
@@ -793,7 +793,7 @@ def _tail_split_worker(rank, world, init_file, path):
 @pytest.mark.multigpu
 def test_fused_tail_split_matches_local_split_plus_reference_a2a(tmp_path):
     for res in run_ranks(_tail_split_worker, tmp_path):
-        assert res["checked"] == 3 * 12 + 2 + 4 + 4 + 8 + 3
+        assert res["checked"] == 3 * 12 + 2 + 4 + 4 + 4 + 8 + 3
 
 
 def test_cluster_kv_compiles_with_multicast_and_refuses_what_it_does_not_pair(tmp_path):

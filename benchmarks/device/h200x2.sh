@@ -323,6 +323,21 @@ for stage in $stages; do
         --seconds 1.0 --no-fa4 --skip fused_visible fused_self serial_ours_symm \
         --variants '{"tma":{"mode":"piggyback","store":"tma"},"bulk":{"mode":"piggyback","store":"bulk"}}' 2>&1 \
         | tee "$OUT/fusedclocksstores.log" ;;
+    fusedclocksawake)
+      # At the power cap (as fusedclocks), FA-only beside FA-only whose every launch also stores 16 bytes into
+      # the peer (NVLink kept out of its 50 ms low-power state, as in a model whose every step uses it: +29.5 W
+      # per GPU, link_power.py) and its local-store control, the fused op and the serial compositions: the
+      # fused residual and H over FA-only with the links awake.
+      mkdir -p "$OUT/h200x2"
+      timeout ${FA_TIMEOUT:-300} python3 benchmarks/fused_clocks.py --out "$OUT/h200x2/fused_clocks_awake.json" \
+        --seconds 1.0 --no-fa4 --skip fused_self ${FUSED_CLOCKS_ARGS:-} 2>&1 | tee "$OUT/fusedclocksawake.log" ;;
+    linkpower)
+      # Board power and SM clock on both GPUs while each trickles (or saturates) remote stores into its peer,
+      # against the same burst kernel storing into its own HBM, and idle (benchmarks/link_power.py): whether the
+      # fused kernel's clock cost at the power cap is the links' active state (a fixed power) or per byte.
+      mkdir -p "$OUT/h200x2"
+      timeout ${FA_TIMEOUT:-240} python3 benchmarks/link_power.py --out "$OUT/h200x2/link_power.json" \
+        ${LINK_POWER_ARGS:-} 2>&1 | tee "$OUT/linkpower.log" ;;
     dit)
       timeout ${DIT_TIMEOUT:-300} torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 2>&1 | tee "$OUT/dit.log" ;;
     pack)
