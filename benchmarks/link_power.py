@@ -77,6 +77,66 @@ def summarize_loads(rows: list[dict]) -> dict:
     return out
 
 
+def awake_fraction(gap_ms: float, threshold_ms: float) -> float:
+    """The fraction of time the links spend awake when short bursts come every ``gap_ms``: each burst wakes
+    them and they fall back to low power ``threshold_ms`` after it (``nvidia-smi nvlink -gLowPwrInfo``)."""
+    return min(1.0, threshold_ms / gap_ms) if gap_ms > 0 else 1.0
+
+
+def burst_gap_ms(load: tuple) -> float | None:
+    """A spin load's time from burst to burst (ms): its gap (the bursts' own few µs left out); None for FMA gaps,
+    whose length is not set in time."""
+    _, _, kind, gap, _ = load
+    return gap / 1e6 if kind == "spin" else None
+
+
+def plot(results: list[dict], path: str, threshold_ms: float = 50.0) -> None:
+    """Peer - local power per load at equal rates (left) and against the time from burst to burst for the spin loads, with
+    ``awake_fraction`` times the power the links draw awake (the median over loads that come more often than
+    ``threshold_ms``) (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = {}  # load -> (peer - local W, load tuple)
+    for res in results:
+        for load, per in res["summary"].items():
+            # only where both targets moved the same bytes per second: a saturated link is ~11x slower than
+            # local HBM, so its difference is no link cost (the JSON keeps both)
+            same_rate = "peer" in per and "local" in per and \
+                abs(per["peer"]["gb_per_s"] / per["local"]["gb_per_s"] - 1.0) < 0.1
+            if "peer_minus_local" in per and same_rate:
+                points[load] = (per["peer_minus_local"]["power_w"], tuple(res["loads"][load]))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = sorted(points, key=lambda n: -points[n][0])
+    axes[0].bar(range(len(names)), [points[n][0] for n in names], color="tab:blue")
+    axes[0].set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    axes[0].set_title("board power, peer stores minus the same stores local (W)")
+    sweep = sorted((burst_gap_ms(points[n][1]), points[n][0]) for n in names
+                   if burst_gap_ms(points[n][1]) not in (None, 0.0))
+    awake = [w for g, w in sweep if g < threshold_ms]
+    if sweep and awake:
+        p_awake = statistics.median(awake)
+        xs = [g for g, _ in sweep]
+        axes[1].plot(xs, [w for _, w in sweep], "o", color="tab:blue", label="measured")
+        grid = [xs[0] * (xs[-1] / xs[0]) ** (i / 100) for i in range(101)]
+        axes[1].plot(grid, [p_awake * awake_fraction(g, threshold_ms) for g in grid], "-", color="tab:gray",
+                     label=f"{p_awake:.1f} W x min(1, {threshold_ms:g} ms / gap)")
+        axes[1].set_xscale("log")
+        axes[1].legend(fontsize=8)
+    axes[1].set_xlabel("time from burst to burst (ms)")
+    axes[1].set_title("NVLink awake: peer minus local (W)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    prov = results[0]["provenance"]
+    fig.suptitle(f"NVLink power state, {results[0].get('world', 2)} GPUs ({prov.get('device', '')}, "
+                 f"{prov.get('git_commit', '')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _nvlink_info() -> dict:
     """Read-only: nvidia-smi's NVLink options and link status (what the driver reports of link power states)."""
     info = {}
@@ -191,7 +251,9 @@ def _worker(rank: int, world: int, init_file: str, args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="result JSON")
+    p.add_argument("--plot", nargs="+", metavar="JSON", help="draw saved results (one figure) into --figure; no GPU")
+    p.add_argument("--figure", help="the --plot figure's path (PNG)")
     p.add_argument("--loads", nargs="+", default=list(DEFAULT_LOADS), choices=list(LOADS))
     p.add_argument("--phases", type=int, default=3)
     p.add_argument("--seconds", type=float, default=3.0)
@@ -201,6 +263,17 @@ def main(argv=None) -> None:
     p.add_argument("--buffer-mib", type=int, default=16)
     p.add_argument("--world", type=int, default=2)
     args = p.parse_args(argv)
+    if args.plot:
+        if not args.figure:
+            p.error("--plot needs --figure")
+        results = []
+        for path in args.plot:
+            with open(path) as f:
+                results.append(json.load(f))
+        plot(results, args.figure)
+        return
+    if not args.out:
+        p.error("--out is required (or --plot JSON... --figure PNG)")
     from cute_kernels.dist import spawn_ranks
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

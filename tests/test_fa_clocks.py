@@ -203,3 +203,13 @@ def test_fused_clocks_hiding_over_both_bases():
     assert h["fused/serial_ours_nccl"]["fa_ours_awake"] == pytest.approx(1 - fused_over_awake / serial_over_awake)
     no_awake = [r for r in rows if r["kernel"] != "fa_ours_awake"]
     assert set(fused_clocks.summaries(no_awake)["hiding"]["1x49152x12"]["fused/serial_ours_nccl"]) == {"fa_ours"}
+
+
+def test_link_power_awake_fraction_and_gaps():
+    """Bursts closer than the low-power threshold keep the links awake throughout; sparser ones for the
+    threshold after each burst. The gap sweep's loads are spin loads whose gap is their period."""
+    assert link_power.awake_fraction(1.0, 50.0) == 1.0 and link_power.awake_fraction(0.0, 50.0) == 1.0
+    assert link_power.awake_fraction(100.0, 50.0) == pytest.approx(0.5)
+    assert link_power.awake_fraction(400.0, 50.0) == pytest.approx(0.125)
+    assert link_power.burst_gap_ms(link_power.LOADS["gap_100ms"]) == pytest.approx(100.0)
+    assert link_power.burst_gap_ms(link_power.LOADS["fma_trickle"]) is None
