@@ -123,8 +123,8 @@ def hiding(sums: dict) -> dict:
     return out
 
 
-BUILT_IN = ("fa_ours", "fa_ours_awake", "fa_ours_tiny", "fused", "fused_visible", "fused_self", "serial_ours_nccl", "serial_ours_symm", "fa4",
-            "serial_fa4_nccl")
+BUILT_IN = ("fa_ours", "fa_ours_awake", "fa_ours_tiny", "fused", "fused_visible", "fused_self", "serial_ours_nccl",
+            "serial_ours_symm", "fa4", "serial_fa4_nccl")
 
 
 def parse_variants(text: str) -> dict:

@@ -9,7 +9,8 @@ TMA, bulk: ``fused_clocks_stores_*.json``) can avoid it; if the cost is per byte
 
 Loads (``LOADS``) are runs of ``BurstGapKernel`` (calibrate): ``producers`` CTAs each write
 ``burst_bytes`` with 128-bit stores, then spin (``%globaltimer``) or run an FMA loop for ``gap``, for
-``bursts`` bursts per launch; each launch is replayed back to back from a one-launch CUDA Graph for
+``bursts`` bursts per launch, every burst into the same ring slot (so the local stores stay in L2, as
+the peer's stores arriving there do); each launch is replayed back to back from a one-launch CUDA Graph for
 ``--seconds`` per phase on every rank at once, the loads taking turns in a rotated order, while
 ``nvidia-smi`` samples each rank's own GPU. Each load runs twice, into the peers' symmetric buffers
 (``peer``) and into local memory (``local``, the same kernel and bytes, no NVLink); ``idle`` is the host
@@ -37,7 +38,8 @@ LOADS = {
     "trickle": (8, 4096, "spin", 20_000, 2000),
     # the same bursts 1 ms apart: the links idle between them (~33 MB/s)
     "sparse": (8, 4096, "spin", 1_000_000, 40),
-    # every SM, 2 KiB each, then ~20 us of FMAs: the SMs busy as in a mainloop, ~13 GB/s of stores
+    # every SM, 2 KiB each, then 8000 FMA iterations (~117 us a burst on the H200s): the SMs busy as in a
+    # mainloop, ~2.3 GB/s of stores
     "fma_trickle": (132, 2048, "fma", 8000, 1000),
     # every SM, 64 KiB each with no gap: the links saturated (~390 GB/s each way)
     "saturate": (132, 65536, "spin", 0, 400),
@@ -90,16 +92,28 @@ def burst_gap_ms(load: tuple) -> float | None:
     return gap / 1e6 if kind == "spin" else None
 
 
-def plot(results: list[dict], path: str, threshold_ms: float = 50.0) -> None:
-    """Peer - local power per load at equal rates (left) and against the time from burst to burst for the spin loads, with
-    ``awake_fraction`` times the power the links draw awake (the median over loads that come more often than
-    ``threshold_ms``) (right)."""
+def low_power_threshold_ms(results: list[dict], default: float = 50.0) -> float:
+    """The NVLink low-power threshold that ``nvidia-smi nvlink -gLowPwrInfo`` reported in a result (the largest
+    over links, ms), else ``default``."""
+    import re
+
+    texts = [res.get("nvlink", {}).get("nvlink_low_power", "") for res in results]
+    found = [float(us) / 1e3 for text in texts for us in re.findall(r"Low Power Threshold: (\d+) us", text)]
+    return max(found) if found else default
+
+
+def plot(results: list[dict], path: str, threshold_ms: float | None = None) -> None:
+    """Peer - local power per load at equal rates (left), and against the time from burst to burst for the spin
+    loads, with ``awake_fraction`` times the power the links draw awake (the median over loads that come more
+    often than ``threshold_ms``; by default the threshold the results' nvidia-smi reported) (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = {}  # load -> (peer - local W, load tuple)
+    if threshold_ms is None:
+        threshold_ms = low_power_threshold_ms(results)
+    points = {}  # load -> (peer - local W, load tuple); a load in several results: the later one's
     for res in results:
         for load, per in res["summary"].items():
             # only where both targets moved the same bytes per second: a saturated link is ~11x slower than

@@ -149,27 +149,30 @@ _spec3.loader.exec_module(link_power)
 
 
 def test_link_power_pairs_peer_and_local_rows_of_the_same_rank_and_phase():
-    """The peer - local difference is taken per (rank, phase), so a drift shared by both rows cancels and a
-    rank's own offset never mixes into another's; rows without samples are left out."""
+    """The peer - local difference is taken per (rank, phase): a drift shared by both rows of a phase cancels,
+    and one glitched phase is one difference among many, where the difference of the unpaired medians would
+    mix phases and ranks (here it would be far off); rows without samples are left out."""
     rng = random.Random()
     link_w = rng.uniform(5.0, 40.0)
-    rows, expect = [], []
+    rows = []
     for rank, offset in ((0, 0.0), (1, rng.uniform(20.0, 60.0))):  # rank 1's board draws more throughout
         for phase in range(3):
-            drift = 10.0 * phase  # the board warms up: both rows of a phase see it
+            drift = 100.0 * phase  # both rows of a phase see it
+            glitch = -300.0 if (rank, phase) == (1, 2) else 0.0  # one peer row sampled through a dip
             rows.append({"rank": rank, "phase": phase, "load": "idle", "target": "none", "samples": 5,
                          "power_w": 80.0 + offset, "sm_mhz": 345.0})
             local = 150.0 + offset + drift
             rows.append({"rank": rank, "phase": phase, "load": "trickle", "target": "local", "samples": 5,
                          "power_w": local, "sm_mhz": 1980.0, "gb_per_s": 1.6})
             rows.append({"rank": rank, "phase": phase, "load": "trickle", "target": "peer", "samples": 5,
-                         "power_w": local + link_w, "sm_mhz": 1980.0 - phase, "gb_per_s": 1.5})
-            expect.append(link_w)
+                         "power_w": local + link_w + glitch, "sm_mhz": 1980.0 - phase, "gb_per_s": 1.5})
     rows.append({"rank": 0, "phase": 3, "load": "trickle", "target": "peer", "samples": 0})  # no samples: out
     s = link_power.summarize_loads(rows)
     diff = s["trickle"]["peer_minus_local"]
     assert diff["power_w"] == pytest.approx(link_w)
     assert diff["pairs"] == 6 and diff["sm_mhz"] == pytest.approx(-1.0)
+    unpaired = s["trickle"]["peer"]["power_w"] - s["trickle"]["local"]["power_w"]
+    assert abs(unpaired - link_w) > 5.0  # what the pairing protects against
     assert s["trickle"]["peer"]["gb_per_s"] == 1.5 and s["idle"]["sm_mhz"] == 345.0
 
 
@@ -179,6 +182,14 @@ def test_link_power_loads_fit_the_burst_kernel():
         assert gap_kind in ("spin", "fma") and gap >= 0 and bursts > 0, name
         assert burst_bytes % (16 * 128) == 0, name
         assert producers * burst_bytes <= 16 << 20, name
+        assert gap < 2 ** 31, name  # the kernel's gap is an Int32 (ns for spin gaps)
+
+
+def test_link_power_reads_the_threshold_nvidia_smi_reported():
+    text = ("\t Low Power Threshold are in units of 100 us\n\t Link 0: Low Power Mode: Low Power State\n"
+            "\t Link 0: Low Power Threshold: 50000 us\n\t Link 1: Low Power Threshold: 20000 us\n")
+    assert link_power.low_power_threshold_ms([{"nvlink": {"nvlink_low_power": text}}]) == 50.0
+    assert link_power.low_power_threshold_ms([{"nvlink": {"nvlink_low_power": "unavailable"}}], 7.0) == 7.0
 
 
 def test_fused_clocks_hiding_over_both_bases():

@@ -333,16 +333,17 @@ for stage in $stages; do
         --seconds 1.0 --no-fa4 --skip fused_self ${FUSED_CLOCKS_ARGS:-} 2>&1 | tee "$OUT/fusedclocksawake.log" ;;
     fusedclockssplit)
       # At the power cap (as fusedclocks), at the shapes where "auto" splits the tail into a second launch and
-      # where the fused kernel loses 52-82 MHz in every run (12 heads/32K, 3 heads/64K; unsplit shapes lose
-      # 11-30): the fused kernel and FA-only unsplit (tail_split=False) beside the defaults and ours + NCCL.
+      # where the fused kernel (sender-side) loses 52-83 MHz in all seven cap runs so far (12 heads/32K, 3
+      # heads/64K; unsplit shapes 11-30): the fused kernel and FA-only unsplit (tail_split=False) beside the
+      # defaults and ours + NCCL.
       mkdir -p "$OUT/h200x2"
       timeout ${FA_TIMEOUT:-240} python3 benchmarks/fused_clocks.py --out "$OUT/h200x2/fused_clocks_split.json" \
         --seconds 1.0 --no-fa4 --shapes 1x32768x12 1x65536x3 --skip fused_visible fused_self serial_ours_symm \
-        fa_ours_tiny --variants '{"nosplit":{"mode":"piggyback","tail_split":false},"unsplit":{"tail_split":false}}' \
+        fa_ours_tiny fa_ours_awake --variants '{"nosplit":{"mode":"piggyback","tail_split":false},"unsplit":{"tail_split":false}}' \
         ${FUSED_CLOCKS_ARGS:-} 2>&1 | tee "$OUT/fusedclockssplit.log" ;;
     linkpower)
       # Board power and SM clock on both GPUs while each trickles (or saturates) remote stores into its peer,
-      # against the same burst kernel storing into its own HBM, and idle (benchmarks/link_power.py): whether the
+      # against the same burst kernel storing into local memory (L2: one ring slot), and idle (benchmarks/link_power.py): whether the
       # fused kernel's clock cost at the power cap is the links' active state (a fixed power) or per byte.
       mkdir -p "$OUT/h200x2"
       timeout ${FA_TIMEOUT:-240} python3 benchmarks/link_power.py --out "$OUT/h200x2/link_power.json" \
