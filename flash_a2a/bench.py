@@ -34,6 +34,8 @@ import math
 import os
 import sys
 
+from flash_a2a.hiding import row_interval
+
 SEQ_LENS = (8192, 16384, 32768, 49152, 65536)
 HEADS_PER_RANK = (3, 12)
 HEAD_DIM = 128
@@ -56,6 +58,9 @@ def add_arguments(p) -> None:
                    help="recompute the model columns of a saved result and redraw its figure (no GPU)")
     p.add_argument("--table", metavar="JSON", default=None,
                    help="print a saved result as the README's Markdown table (no GPU)")
+    p.add_argument("--pool-hiding", metavar="JSON", nargs="+", default=None,
+                   help="H with its 95%% bootstrap interval from the adjacent pairs of saved results, pooled per "
+                        "shape over the runs given (rows of the same recorded split/store/relay only; no GPU)")
     p.add_argument("--split", metavar="JSON", default=None,
                    help="print the fused residual of a saved fadiag result split into epilogue code, flag "
                         "protocol and NVLink stores (no GPU)")
@@ -507,6 +512,9 @@ def _run(rank, world, args):
                     e_res = row.get("fused_E_res_us")
                     row["hiding_ratio"] = (1.0 - e_res / exposed
                                            if e_res is not None and exposed and exposed > 0 else None)
+                    interval = row_interval(row)  # from the pairs' own differences, where they were alternated
+                    if interval is not None:
+                        row["hiding_ratio_ci95"] = list(interval)
                 row.update(model_predictions(row, profile,
                                              torch.cuda.get_device_properties(0).multi_processor_count))
             row["round_times"] = {n: [round(x, 3) for x in ts] for n, ts in times.items()}  # µs, max over ranks
@@ -702,6 +710,17 @@ def run(args) -> int:
                 return residual_split_text(json.load(f))
 
         return _offline("read", args.split, split)
+    if args.pool_hiding:
+        from flash_a2a.hiding import pool_text
+
+        def pooled():
+            results = []
+            for path in args.pool_hiding:
+                with open(path) as f:
+                    results.append(json.load(f))
+            return pool_text(results)
+
+        return _offline("read", " ".join(args.pool_hiding), pooled)
     if args.table:
         from flash_a2a.report import markdown_table_file
 

@@ -1,0 +1,79 @@
+"""CPU checks of the hiding ratio's pair statistics (flash_a2a/hiding.py): H from the pairs' differences as the
+bench takes it, its bootstrap interval, pooling over runs, and the table's H cell. Random data each time."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from flash_a2a import hiding
+from flash_a2a.report import table_row
+
+
+def _pairs(rng, n, mean, sd):
+    return [rng.gauss(mean, sd) for _ in range(n)]
+
+
+def _row(rng, n, e_res, excess, sd, split="launch", heads=12, seq=65536):
+    f, s = _pairs(rng, n, e_res, sd), _pairs(rng, n, excess, sd)
+    return {"heads_per_rank": heads, "seq_len": seq, "fused_tail_split": split, "fused_store": "st",
+            "fused_relay": False, "hiding_ratio": hiding.hiding_ratio(f, s),
+            "alternated": {hiding.FUSED: {"diffs_us": [[round(x, 1), i % 2] for i, x in enumerate(f)]},
+                           hiding.SERIAL: {"diffs_us": [[round(x, 1), i % 2] for i, x in enumerate(s)]}}}
+
+
+def test_hiding_ratio_is_one_minus_the_ratio_of_the_pairs_medians():
+    rng = random.Random()
+    f, s = _pairs(rng, 21, 40.0, 5.0), _pairs(rng, 21, 500.0, 5.0)
+    assert hiding.hiding_ratio(f, s) == pytest.approx(1 - sorted(f)[10] / sorted(s)[10])
+    assert hiding.hiding_ratio(f, [-1.0, -2.0, 3.0]) is None  # no positive serial excess: no H
+
+
+def test_interval_covers_the_true_ratio_and_narrows_with_more_pairs():
+    rng = random.Random()
+    e_res, excess, sd = rng.uniform(20, 80), rng.uniform(400, 800), 150.0
+    true_h = 1 - e_res / excess
+    lo20, hi20 = hiding.hiding_interval(_pairs(rng, 20, e_res, sd), _pairs(rng, 20, excess, sd), seed=rng.random())
+    lo400, hi400 = hiding.hiding_interval(_pairs(rng, 400, e_res, sd), _pairs(rng, 400, excess, sd), n_boot=1000)
+    assert lo20 <= hi20
+    # 400 pairs: H's standard error is ~0.015, the interval ~±0.03; 0.05 more is beyond five errors
+    assert lo400 - 0.05 <= true_h <= hi400 + 0.05 and hi400 - lo400 < 0.12
+    assert hi400 - lo400 < 0.5 * (hi20 - lo20)
+
+
+def test_interval_reaches_minus_infinity_when_the_serial_excess_may_vanish():
+    rng = random.Random()
+    serial = [10.0 * k for k in range(-10, 0)] + [10.0 * k for k in range(1, 11)]  # median +10: H defined
+    rng.shuffle(serial)
+    fused = _pairs(rng, 20, 2.0, 1.0)
+    assert hiding.hiding_ratio(fused, serial) is not None
+    lo, hi = hiding.hiding_interval(fused, serial)  # about half the resamples have no positive excess
+    assert lo == float("-inf") and hi > 0.5
+    with pytest.raises(ValueError):
+        hiding.hiding_interval([], [1.0])
+
+
+def test_pool_merges_runs_of_the_same_kernels_only():
+    rng = random.Random()
+    a = {"provenance": {"git_commit": "aaa"}, "rows": [_row(rng, 20, 50, 500, 100), _row(rng, 20, 5, 50, 3, seq=8192)]}
+    b = {"provenance": {"git_commit": "bbb"}, "rows": [_row(rng, 128, 50, 500, 100),
+                                                       _row(rng, 20, 50, 500, 100, split="False")]}
+    b["rows"].append({"heads_per_rank": 12, "seq_len": 65536, "hiding_ratio": 0.9})  # no pairs kept: left out
+    pooled = {(e["seq_len"], e["tail_split"]): e for e in hiding.pool([a, b])}
+    assert set(pooled) == {(65536, "launch"), (8192, "launch"), (65536, "False")}
+    both = pooled[(65536, "launch")]
+    assert both["runs"] == ["aaa", "bbb"] and both["pairs"] == [148, 148] and len(both["per_run"]) == 2
+    lo, hi = both["interval"]
+    assert lo <= both["hiding_ratio"] <= hi
+    assert "aaa, bbb" in hiding.pool_text([a, b])
+
+
+def test_table_cell_shows_the_interval_where_the_pairs_were_kept():
+    rng = random.Random()
+    row = _row(rng, 20, 50, 500, 100)
+    row.update({"fa_ours_us": 40000.0, "fused_us": 40050.0})
+    cell = table_row(row).split(" | ")[13]
+    lo, hi = hiding.row_interval(row)
+    assert cell == f"{row['hiding_ratio']:.3f} [{lo:.2f}–{hi:.2f}]"
+    del row["alternated"]
+    assert table_row(row).split(" | ")[13] == f"{row['hiding_ratio']:.3f}"
