@@ -513,8 +513,8 @@ def _run(rank, world, args):
                     row["hiding_ratio"] = (1.0 - e_res / exposed
                                            if e_res is not None and exposed and exposed > 0 else None)
                     interval = row_interval(row)  # from the pairs' own differences, where they were alternated
-                    if interval is not None:
-                        row["hiding_ratio_ci95"] = list(interval)
+                    if interval is not None:  # -inf (no positive serial excess resampled) as null: strict JSON
+                        row["hiding_ratio_ci95"] = [x if math.isfinite(x) else None for x in interval]
                 row.update(model_predictions(row, profile,
                                              torch.cuda.get_device_properties(0).multi_processor_count))
             row["round_times"] = {n: [round(x, 3) for x in ts] for n, ts in times.items()}  # µs, max over ranks

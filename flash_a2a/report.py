@@ -30,7 +30,10 @@ def _hiding_cell(row: dict) -> str:
     if h is None:
         return "–"
     interval = row.get("hiding_ratio_ci95") or row_interval(row)
-    return f"{h:.3f}" + (f" [{interval[0]:.2f}–{interval[1]:.2f}]" if interval else "")
+    if not interval:
+        return f"{h:.3f}"
+    lo, hi = ("−inf" if x is None or x == float("-inf") else f"{x:.2f}" for x in interval)
+    return f"{h:.3f} [{lo}–{hi}]"
 
 
 def table_row(row: dict) -> str:

@@ -77,3 +77,10 @@ def test_table_cell_shows_the_interval_where_the_pairs_were_kept():
     assert cell == f"{row['hiding_ratio']:.3f} [{lo:.2f}–{hi:.2f}]"
     del row["alternated"]
     assert table_row(row).split(" | ")[13] == f"{row['hiding_ratio']:.3f}"
+
+
+def test_table_cell_writes_an_unbounded_low_end():
+    rng = random.Random()
+    row = _row(rng, 20, 50, 500, 100)
+    row.update({"fa_ours_us": 40000.0, "fused_us": 40050.0, "hiding_ratio_ci95": [None, 0.97]})
+    assert table_row(row).split(" | ")[13] == f"{row['hiding_ratio']:.3f} [−inf–0.97]"
