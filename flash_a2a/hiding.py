@@ -44,8 +44,8 @@ def hiding_interval(fused_diffs: list[float], serial_diffs: list[float], level: 
         h = hiding_ratio(f, s)
         hs.append(float("-inf") if h is None else h)
     hs.sort()
-    tail = (1.0 - level) / 2
-    return hs[int(tail * n_boot)], hs[min(n_boot - 1, int((1.0 - tail) * n_boot))]
+    k = round((1.0 - level) / 2 * n_boot)  # as many resamples below the interval as above it
+    return hs[k], hs[n_boot - 1 - k]
 
 
 def row_diffs(row: dict) -> tuple[list[float], list[float]] | None:
@@ -63,9 +63,11 @@ def row_interval(row: dict, level: float = 0.95) -> tuple[float, float] | None:
 
 def pool(results: list[dict], level: float = 0.95) -> list[dict]:
     """H pooled over the rows of several saved results that kept their pairs, per (heads per rank, M) and the
-    fused launch's recorded decisions (split, store, relay: rows whose kernels differ are not pooled). Each
-    entry: the key, the runs (git commits) and pairs pooled, H from all pairs, its interval, and each run's
-    own H."""
+    fused launch's recorded decisions (split, store, relay: rows that decided differently are not pooled; that
+    the runs ran the same kernels is the caller's to know, their commits are listed). Each entry: the key, the
+    runs (git commits) and pairs pooled, H from all pairs, its interval, and each run's own H. The pairs of
+    all runs are one sample here: the interval holds the pairs' spread, not what differs from run to run
+    (a board, a session), so runs whose H falls outside it say more than it does."""
     groups: dict = {}
     for res in results:
         commit = (res.get("provenance") or {}).get("git_commit", "?")

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from flash_a2a import hiding
+from flash_a2a import bench, hiding
 from flash_a2a.report import table_row
 
 
@@ -22,11 +22,16 @@ def _row(rng, n, e_res, excess, sd, split="launch", heads=12, seq=65536):
                            hiding.SERIAL: {"diffs_us": [[round(x, 1), i % 2] for i, x in enumerate(s)]}}}
 
 
-def test_hiding_ratio_is_one_minus_the_ratio_of_the_pairs_medians():
+def test_hiding_ratio_is_one_minus_the_ratio_of_the_pairs_medians_as_the_bench_takes_them():
     rng = random.Random()
-    f, s = _pairs(rng, 21, 40.0, 5.0), _pairs(rng, 21, 500.0, 5.0)
+    f, s = _pairs(rng, 20, 40.0, 5.0), _pairs(rng, 20, 500.0, 5.0)  # an even count: the upper median
     assert hiding.hiding_ratio(f, s) == pytest.approx(1 - sorted(f)[10] / sorted(s)[10])
     assert hiding.hiding_ratio(f, [-1.0, -2.0, 3.0]) is None  # no positive serial excess: no H
+    # the bench's pair statistics (its H) and its stored differences give the same medians
+    base = [rng.uniform(2e4, 4e4) for _ in f]
+    st = bench.pair_stats(base, [b + d for b, d in zip(base, f)], [i % 2 == 0 for i in range(len(f))])
+    stored = [d for d, _ in st["diffs_us"]]
+    assert hiding.upper_median(stored) == pytest.approx(st["median_us"], abs=1e-3)
 
 
 def test_interval_covers_the_true_ratio_and_narrows_with_more_pairs():
@@ -34,11 +39,11 @@ def test_interval_covers_the_true_ratio_and_narrows_with_more_pairs():
     e_res, excess, sd = rng.uniform(20, 80), rng.uniform(400, 800), 150.0
     true_h = 1 - e_res / excess
     lo20, hi20 = hiding.hiding_interval(_pairs(rng, 20, e_res, sd), _pairs(rng, 20, excess, sd), seed=rng.random())
-    lo400, hi400 = hiding.hiding_interval(_pairs(rng, 400, e_res, sd), _pairs(rng, 400, excess, sd), n_boot=1000)
+    lo2k, hi2k = hiding.hiding_interval(_pairs(rng, 2000, e_res, sd), _pairs(rng, 2000, excess, sd), n_boot=200)
     assert lo20 <= hi20
-    # 400 pairs: H's standard error is ~0.015, the interval ~±0.03; 0.05 more is beyond five errors
-    assert lo400 - 0.05 <= true_h <= hi400 + 0.05 and hi400 - lo400 < 0.12
-    assert hi400 - lo400 < 0.5 * (hi20 - lo20)
+    # 2000 pairs: H's standard error is below 0.007, the interval about ±0.014; 0.05 more is beyond seven errors
+    assert lo2k - 0.05 <= true_h <= hi2k + 0.05 and hi2k - lo2k < 0.08
+    assert hi2k - lo2k < 0.5 * (hi20 - lo20)  # the widths go as 1/sqrt(pairs): ~0.1 expected
 
 
 def test_interval_reaches_minus_infinity_when_the_serial_excess_may_vanish():
