@@ -119,6 +119,34 @@ def spawn_tied(argv: list[str], log):
                             preexec_fn=_tie_to_parent())
 
 
+def one_launch_graph(fn, warmup: int = 3, before_capture=None):
+    """A CUDA graph of one call of ``fn``, after ``warmup`` eager calls (compile and warm up outside the graph)
+    and a synchronize; ``before_capture`` (e.g. a barrier of the ranks) runs just before the capture."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if before_capture is not None:
+        before_capture()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def replay_seconds(graph) -> float:
+    """One replay of ``graph`` timed with CUDA events (seconds)."""
+    import torch
+
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / 1e3
+
+
 def phase_samples(samples, start: float, end: float, settle: float):
     """The samples taken in [start + settle, end]."""
     return [s for s in samples if start + settle <= s[0] <= end]
@@ -155,24 +183,12 @@ def _run(args) -> dict:
             q, k, v = (torch.randn(b, s, h, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
             kernels = {"fa_ours": lambda: flash_attention(q, k, v, tile_order_world=2),
                        "fa4": lambda: fa4(q, k, v)}
-            graphs = {}
-            for name, fn in kernels.items():
-                for _ in range(3):
-                    fn()  # compile and warm up outside the graph
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fn()
-                graphs[name] = g
+            graphs = {name: one_launch_graph(fn) for name, fn in kernels.items()}
             for name in graphs:
                 graphs[name].replay()
             torch.cuda.synchronize()
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphs["fa_ours"].replay()
-            stop.record()
-            torch.cuda.synchronize()
-            per_launch_s = start.elapsed_time(stop) / 1e3
+            per_launch_s = replay_seconds(graphs["fa_ours"])
             batch = max(1, int(0.05 / per_launch_s))  # ~50 ms of replays between host checks
             for phase in range(args.phases):
                 for name in (("fa_ours", "fa4") if phase % 2 == 0 else ("fa4", "fa_ours")):

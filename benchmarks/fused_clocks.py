@@ -28,7 +28,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fa_clocks import annotate_phases, close_sampler, open_sampler, smi_ok  # noqa: E402
+from fa_clocks import (annotate_phases, close_sampler, one_launch_graph, open_sampler, replay_seconds,  # noqa: E402
+                       smi_ok)
 
 KEYS = ("us_per_launch", "sm_mhz", "power_w", "temp_c", "mcycles", "mj_per_launch")
 
@@ -266,24 +267,12 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
             kernels = {name: fn for name, fn in every.items() if name not in args.skip}
             if "fa_ours" not in kernels:
                 raise ValueError("fa_ours is every difference's base: do not skip it")
-            graphs = {}
-            for name, fn in kernels.items():
-                for _ in range(3):
-                    fn()  # compile and warm up outside the graph
-                torch.cuda.synchronize()
-                dist.barrier(group=group)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fn()
-                graphs[name] = g
+            graphs = {name: one_launch_graph(fn, before_capture=lambda: dist.barrier(group=group))
+                      for name, fn in kernels.items()}
             fused.settle(q)
             torch.cuda.synchronize()
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphs["fa_ours"].replay()
-            stop.record()
-            torch.cuda.synchronize()
-            per_launch = torch.tensor([start.elapsed_time(stop) / 1e3], device="cuda", dtype=torch.float64)
+            per_launch = torch.tensor([replay_seconds(graphs["fa_ours"])], device="cuda", dtype=torch.float64)
             dist.all_reduce(per_launch, op=dist.ReduceOp.MAX, group=group)  # one launch count on every rank
             per_launch_s = float(per_launch.item())
             batch = max(1, int(0.05 / per_launch_s))  # ~50 ms of replays between host checks
@@ -319,18 +308,25 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
     return rows
 
 
-def _worker(rank: int, world: int, init_file: str, args) -> None:
+def run_ranks_and_gather(rank: int, world: int, init_file: str, run, args) -> list[dict] | None:
+    """In a spawned rank: join the group, ``run(rank, world, group, args)`` (its phase rows), gather every
+    rank's rows; rank 0 gets them all, the others None."""
     import torch.distributed as dist
 
     from cute_kernels.dist import process_group
-    from cute_kernels.runtime import provenance
 
     with process_group(rank, world, init_file) as group:
-        rows = _run(rank, world, group, args)
+        rows = run(rank, world, group, args)
         gathered = [None] * world
         dist.all_gather_object(gathered, rows, group=group)
-    if rank == 0:
-        every = [r for part in gathered for r in part]
+    return [r for part in gathered for r in part] if rank == 0 else None
+
+
+def _worker(rank: int, world: int, init_file: str, args) -> None:
+    from cute_kernels.runtime import provenance
+
+    every = run_ranks_and_gather(rank, world, init_file, _run, args)
+    if every is not None:
         result = {"provenance": provenance(" ".join(sys.argv)), "args": vars(args), "world": world,
                   **summaries(every), "phases": every}
         with open(args.out, "w") as f:

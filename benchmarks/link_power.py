@@ -29,8 +29,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fa_clocks import annotate_phases, close_sampler, open_sampler, smi_ok  # noqa: E402
-from fused_clocks import _smi_target, phase_order  # noqa: E402
+from fa_clocks import annotate_phases, close_sampler, one_launch_graph, open_sampler, smi_ok  # noqa: E402
+from fused_clocks import _smi_target, phase_order, run_ranks_and_gather  # noqa: E402
 
 # name -> (producers, burst bytes per producer, gap kind, gap (ns for spin, iterations for fma), bursts/launch)
 LOADS = {
@@ -201,14 +201,8 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
                     # one ring slot: every burst rewrites the same region (power, not delivery, is measured here)
                     kernel(dst, done, records, bench.sync, bench.errors, bench.sink, producers, vec_per_thread,
                            bursts, 1, gap, bench.tag, bench.timeout_ns)
-                for _ in range(2):
-                    launch()
-                torch.cuda.synchronize()
-                check_error_word(bench.errors, f"{load}/{name} warm-up")
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    launch()
-                graphs[(load, name)] = g
+                graphs[(load, name)] = one_launch_graph(launch, warmup=2)
+                check_error_word(bench.errors, f"{load}/{name} warm-up")  # the capture launched nothing
                 launch_bytes[(load, name)] = producers * vec_per_thread * 16 * bench.threads * bursts
         dist.barrier(group=group)
         names = ["idle"] + list(graphs)
@@ -244,17 +238,10 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
 
 
 def _worker(rank: int, world: int, init_file: str, args) -> None:
-    import torch.distributed as dist
-
-    from cute_kernels.dist import process_group
     from cute_kernels.runtime import provenance
 
-    with process_group(rank, world, init_file) as group:
-        rows = _run(rank, world, group, args)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, rows, group=group)
-    if rank == 0:
-        every = [r for part in gathered for r in part]
+    every = run_ranks_and_gather(rank, world, init_file, _run, args)
+    if every is not None:
         result = {"provenance": provenance(" ".join(sys.argv)), "args": vars(args), "world": world,
                   "loads": {k: LOADS[k] for k in args.loads}, "nvlink": _nvlink_info(),
                   "summary": summarize_loads(every), "phases": every}
