@@ -34,7 +34,7 @@ import math
 import os
 import sys
 
-from flash_a2a.hiding import row_interval
+from flash_a2a.hiding import row_interval, upper_median
 
 SEQ_LENS = (8192, 16384, 32768, 49152, 65536)
 HEADS_PER_RANK = (3, 12)
@@ -255,11 +255,6 @@ def paired_ratio(pair: dict) -> float:
     return (pair["first_median_us"] + pair["median_us"]) / pair["first_median_us"]
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
 def pair_stats(firsts: list[float], seconds: list[float], first_ran_first: list[bool] | None = None) -> dict:
     """Quartiles of the per-pair differences second − first (µs), and each kernel's median.
 
@@ -273,14 +268,14 @@ def pair_stats(firsts: list[float], seconds: list[float], first_ran_first: list[
     diffs = sorted(raw)
     n = len(diffs)
     out = {"q1_us": diffs[n // 4], "median_us": diffs[n // 2], "q3_us": diffs[(3 * n) // 4], "pairs": n,
-           "first_median_us": _median(firsts), "second_median_us": _median(seconds)}
+           "first_median_us": upper_median(firsts), "second_median_us": upper_median(seconds)}
     if first_ran_first is not None:
         if len(first_ran_first) != n:
             raise ValueError("need one launch order per pair")
         ab = [x for x, f in zip(raw, first_ran_first) if f]
         ba = [x for x, f in zip(raw, first_ran_first) if not f]
         if ab and ba:
-            m_ab, m_ba = _median(ab), _median(ba)
+            m_ab, m_ba = upper_median(ab), upper_median(ba)
             out.update({"median_first_ran_first_us": m_ab, "median_second_ran_first_us": m_ba,
                         "order_balanced_us": (m_ab + m_ba) / 2, "position_effect_us": (m_ab - m_ba) / 2})
         # to the ns: H from these (flash_a2a.hiding) then equals the medians' H (0.1 µs moved it by 0.001)
