@@ -199,11 +199,12 @@ for stage in $stages; do
       # (intervals 0.79-0.98 at 48K, 0.22-0.96 at 64K in flash_a2a.json of 94be979): farepeat's columns (FA-only in
       # both orders, serial ours + NCCL, fused, NCCL A2A) at 48K and 64K, $FADIAG_PAIRS (default 128) pairs each,
       # 3 rounds; ~150 s + ~270 s. Pool with the earlier runs: xstage bench flash-a2a --pool-hiding A.json B.json
-      timeout ${FA_TIMEOUT:-560} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/fa_hiding.json" \
+      # $FAHIDING_NAME (default fa_hiding) names the JSON and log, so one call can hold several repeats.
+      timeout ${FA_TIMEOUT:-560} python3 -m calibrate.cli bench flash-a2a --out "$OUT/h200x2/${FAHIDING_NAME:-fa_hiding}.json" \
         --seq-lens ${FADIAG_SEQ:-49152 65536} --heads-per-rank 12 --replays 3 --alternate-pairs ${FADIAG_PAIRS:-128} \
         --alternate-min-us 0 --no-spans --skip fa_ours_no_overlap fa_ours_lag_v fa_ours_nonpersistent \
         fa_ours_pin_all fa_ours_unpinned cudnn a2a_symm pre_a2a_nccl pre_a2a_symm fused_cc fused_visible fa4 \
-        serial_fa4_nccl 2>&1 | tee "$OUT/fahiding.log" ;;
+        serial_fa4_nccl 2>&1 | tee "$OUT/${FAHIDING_NAME:-fa_hiding}.log" ;;
     faq2)
       # q_stages=2 (the next tile's Q loaded a tile ahead, so no warpgroup waits for it at a tile boundary)
       # beside the default, FA-only and fused, and FA4, at M = $FADIAG_SEQ, 8 rounds, 32 adjacent pairs each.
