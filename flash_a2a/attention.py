@@ -342,7 +342,7 @@ class FlashAttentionA2AForward:
         # unless a block raises it by more than this many powers of two, so P < 2^threshold and in most blocks
         # no row of a warp changes: its 64 O-rescale multiplies are skipped. 0: the max follows every block.
         # 8.0 measured 2.5-3.2% faster than 0 on H200 at 3/12 heads, 16K/32K (flash_a2a_variants/
-        # fa_th_8b972ce.json); the full run at ea6408f (flash_a2a.json) has it ahead of FA4 at every shape.
+        # fa_th_8b972ce.json); the full run at ea6408f (flash_a2a_run_ea6408f.json) has it ahead of FA4 at every shape.
         if not (isinstance(rescale_threshold, (int, float)) and 0.0 <= rescale_threshold <= 16.0):
             raise ValueError(f"rescale_threshold must be a number in [0, 16], got {rescale_threshold!r}")
         self.rescale_threshold = float(rescale_threshold) if overlap else 0.0  # the plain loop rescales each block
@@ -424,7 +424,7 @@ class FlashAttentionA2AForward:
         # 40, the default: with rescale_threshold=8, 0.7-1.1% faster than "first_row" in FA-only, and the
         # fused kernel's residual over FA-only falls from ~1.5% of T_FA to 0.15-1.7%
         # (flash_a2a_variants/fa_thtune_7167ecc.json, fa_thp40_b40d52b.json: 3/12 heads, 16K/32K); in the full
-        # run as the default (7a73b1b, flash_a2a.json) E_res at most 1.91% of T_FA at every M >= 16K.
+        # run as the default (7a73b1b, flash_a2a_run_7a73b1b.json) E_res at most 1.91% of T_FA at every M >= 16K.
         # (identity checks: True == 1 and False == 0, so a dict or `in` lookup would read pin_softmax=1 as True)
         if pin_softmax is True or pin_softmax is False:
             pin_count = tile_n // 2 if pin_softmax else 0
