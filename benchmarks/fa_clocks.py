@@ -135,16 +135,23 @@ def one_launch_graph(fn, warmup: int = 3, before_capture=None):
     return g
 
 
+def timed_batch(graph, batch: int, start, stop) -> float:
+    """µs per launch over ``batch`` back-to-back replays of ``graph``, between the CUDA events ``start`` and
+    ``stop`` (created once by the caller and reused)."""
+    start.record()
+    for _ in range(batch):
+        graph.replay()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) * 1e3 / batch
+
+
 def replay_seconds(graph) -> float:
     """One replay of ``graph`` timed with CUDA events (seconds)."""
     import torch
 
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / 1e3
+    return timed_batch(graph, 1, start, stop) / 1e6
 
 
 def phase_samples(samples, start: float, end: float, settle: float):
@@ -195,12 +202,7 @@ def _run(args) -> dict:
                     times = []
                     t0 = time.time()
                     while time.time() - t0 < args.seconds:
-                        start.record()
-                        for _ in range(batch):
-                            graphs[name].replay()
-                        stop.record()
-                        stop.synchronize()
-                        times.append(start.elapsed_time(stop) * 1e3 / batch)
+                        times.append(timed_batch(graphs[name], batch, start, stop))
                     rows.append({"shape": spec, "kernel": name, "phase": phase, "t0": t0, "t1": time.time(),
                                  "us_per_launch": statistics.median(times[1:] or times)})
                     print(f"{spec} phase {phase} {name}: {rows[-1]['us_per_launch']:.1f} us", flush=True)

@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fa_clocks import (annotate_phases, close_sampler, one_launch_graph, open_sampler, replay_seconds,  # noqa: E402
-                       smi_ok)
+                       smi_ok, timed_batch)
 
 KEYS = ("us_per_launch", "sm_mhz", "power_w", "temp_c", "mcycles", "mj_per_launch")
 
@@ -196,11 +196,14 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _smi_target(rank: int) -> str:
+def smi_target(rank: int) -> str:
+    """This rank's GPU for nvidia-smi: by UUID (nvidia-smi's index need not be CUDA's), else by index where
+    nvidia-smi does not answer to the UUID."""
     import torch
 
     uuid = getattr(torch.cuda.get_device_properties(rank), "uuid", None)
-    return f"GPU-{uuid}" if uuid else str(rank)
+    target = f"GPU-{uuid}" if uuid else str(rank)
+    return target if smi_ok("name", target) else str(rank)
 
 
 def _run(rank: int, world: int, group, args) -> list[dict]:
@@ -223,10 +226,7 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
     keep_hdl = symm_mem.rendezvous(keep, group)
     keep_peers = [keep_hdl.get_buffer(j, (4,), torch.int32) for j in range(world) if j != rank]
     keep_local = torch.zeros(max(1, world - 1), 4, dtype=torch.int32, device="cuda").unbind(0)
-    target = _smi_target(rank)  # this rank's GPU by UUID (nvidia-smi's index need not be CUDA's), else index
-    if not smi_ok("name", target):
-        target = str(rank)
-    smi, log = open_sampler(target, args.sample_ms)
+    smi, log = open_sampler(smi_target(rank), args.sample_ms)
     token = torch.zeros(1, device="cuda")
     rows = []
     try:
@@ -285,12 +285,7 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
                     times = []
                     t0 = time.time()
                     for _ in range(n_batches):
-                        start.record()
-                        for _ in range(batch):
-                            graphs[name].replay()
-                        stop.record()
-                        stop.synchronize()
-                        times.append(start.elapsed_time(stop) * 1e3 / batch)
+                        times.append(timed_batch(graphs[name], batch, start, stop))
                     t1 = time.time()
                     if name.startswith("fused"):
                         fused.settle(q)  # every sender-side launch's data in before the next phase

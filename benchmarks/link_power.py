@@ -29,8 +29,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fa_clocks import annotate_phases, close_sampler, one_launch_graph, open_sampler, smi_ok  # noqa: E402
-from fused_clocks import _smi_target, phase_order, run_ranks_and_gather  # noqa: E402
+from fa_clocks import annotate_phases, close_sampler, one_launch_graph, open_sampler, timed_batch  # noqa: E402
+from fused_clocks import phase_order, run_ranks_and_gather, smi_target  # noqa: E402
 
 # name -> (producers, burst bytes per producer, gap kind, gap (ns for spin, iterations for fma), bursts/launch)
 LOADS = {
@@ -180,10 +180,7 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
                  bench._ptrs(*(bench.flag_hdl.buffer_ptrs[j] + 4 * (1 + rank) for j in peers))),
         "local": (bench._ptrs(bench.local.data_ptr()), bench._ptrs(bench.local_flag.data_ptr())),
     }
-    target = _smi_target(rank)
-    if not smi_ok("name", target):
-        target = str(rank)
-    smi, log = open_sampler(target, args.sample_ms)
+    smi, log = open_sampler(smi_target(rank), args.sample_ms)
     graphs, launch_bytes = {}, {}
     rows = []
     try:
@@ -218,11 +215,7 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
                 else:
                     times = []
                     while time.time() - t0 < args.seconds:
-                        start.record()
-                        graphs[key].replay()
-                        stop.record()
-                        stop.synchronize()
-                        times.append(start.elapsed_time(stop) * 1e3)
+                        times.append(timed_batch(graphs[key], 1, start, stop))
                     us = statistics.median(times[1:] or times)
                     row.update(load=key[0], target=key[1], us_per_launch=us, launches=len(times),
                                gb_per_s=launch_bytes[key] / us / 1e3)
