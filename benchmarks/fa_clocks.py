@@ -5,7 +5,7 @@ Each kernel is captured in a CUDA Graph and replayed back to back for ``--second
 kernels alternating for ``--phases`` phases per shape, while ``nvidia-smi -lms`` samples the SM clock,
 power and the active clock-event reasons. Per phase: the median time per launch (CUDA events around each
 batch of replays) and the median of the samples taken inside it (its first ``--settle`` seconds dropped).
-Usage (device): PYTHONPATH=$PWD python3 benchmarks/fa_clocks.py --out $OUT/fa_clocks.json
+Usage (device, from the repository root): python3 -m benchmarks.fa_clocks --out $OUT/fa_clocks.json
 """
 from __future__ import annotations
 
@@ -173,14 +173,13 @@ def summarize(samples) -> dict:
 def _run(args) -> dict:
     import torch
 
+    from benchmarks.baselines import fa4_forward, fa4_unavailable
     from cute_kernels.runtime import provenance
-    from flash_a2a.api import flash_attention
-    from flash_a2a.bench import _baselines
+    from flash_a2a import flash_attention
 
-    baselines = _baselines()  # the benchmark's own FA4 wrapper, so both time the same call
-    if "fa4" not in baselines:
-        raise SystemExit(f"flash-attn-4 is needed here: {baselines.get('fa4_error')}")
-    fa4 = baselines["fa4"]
+    missing = fa4_unavailable()  # the benchmark's own FA4 call, so both time the same thing
+    if missing:
+        raise SystemExit(f"flash-attn-4 is needed here: {missing}")
 
     smi, log = open_sampler(str(torch.cuda.current_device()), args.sample_ms)
     rows = []
@@ -189,7 +188,7 @@ def _run(args) -> dict:
             b, s, h = (int(x) for x in spec.split("x"))
             q, k, v = (torch.randn(b, s, h, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
             kernels = {"fa_ours": lambda: flash_attention(q, k, v, tile_order_world=2),
-                       "fa4": lambda: fa4(q, k, v)}
+                       "fa4": lambda: fa4_forward(q, k, v)}
             graphs = {name: one_launch_graph(fn) for name, fn in kernels.items()}
             for name in graphs:
                 graphs[name].replay()

@@ -16,7 +16,7 @@ for every peer's data included), its self-store control (the same kernel storing
 buffer: no NVLink), the serial compositions (our FA-only, then the NCCL All-to-All as yunchang does it, or our
 symmetric-memory scatter), and
 flash-attn-4 alone and in its serial composition where installed.
-Usage (device): PYTHONPATH=$PWD python3 benchmarks/fused_clocks.py --out $OUT/fused_clocks.json
+Usage (device, from the repository root): python3 -m benchmarks.fused_clocks --out $OUT/fused_clocks.json
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fa_clocks import (annotate_phases, close_sampler, one_launch_graph, open_sampler, replay_seconds,  # noqa: E402
-                       smi_ok, timed_batch)
+from benchmarks.fa_clocks import (annotate_phases, close_sampler, one_launch_graph, open_sampler, replay_seconds,
+                                  smi_ok, timed_batch)
+from benchmarks.variant_sets import parse_variants, variant_column
 
 KEYS = ("us_per_launch", "sm_mhz", "power_w", "temp_c", "mcycles", "mj_per_launch")
 
@@ -128,24 +128,6 @@ BUILT_IN = ("fa_ours", "fa_ours_awake", "fa_ours_tiny", "fused", "fused_visible"
             "serial_ours_symm", "fa4", "serial_fa4_nccl")
 
 
-def parse_variants(text: str) -> dict:
-    """``--variants`` JSON: {name: knobs}. Refuses a name given twice (plain json.loads keeps the last one
-    silently: a run once lost a column so) and a column name that a built-in column already has."""
-    def no_duplicates(pairs):
-        names = [k for k, _ in pairs]
-        twice = sorted({k for k in names if names.count(k) > 1})
-        if twice:
-            raise ValueError(f"--variants names {twice} more than once: give every variant its own name")
-        return dict(pairs)
-
-    variants = json.loads(text, object_pairs_hook=no_duplicates)
-    for name, knobs in variants.items():
-        column = ("fused_" if "mode" in knobs else "fa_ours_") + name
-        if column in BUILT_IN:
-            raise ValueError(f"variant {name!r} would replace the built-in column {column!r}: rename it")
-    return variants
-
-
 COLUMN_STYLE = {  # column -> (label, colour); the plot's order
     "fa_ours_awake": ("FA-only, NVLink kept awake", "tab:olive"),
     "fa_ours_tiny": ("FA-only, the same store local", "tab:green"),
@@ -211,12 +193,11 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    from flash_a2a.a2a import SymmetricUlyssesA2A, nccl_post_a2a
-    from flash_a2a.api import FUSED_WALK, FusedAttentionA2A, flash_attention
-    from flash_a2a.bench import _baselines
+    from benchmarks.baselines import fa4_forward, fa4_unavailable
+    from flash_a2a import FusedAttentionA2A, SymmetricUlyssesA2A, flash_attention, nccl_post_a2a
 
     torch.set_grad_enabled(False)
-    fa4 = None if args.no_fa4 else _baselines().get("fa4")
+    fa4 = None if args.no_fa4 or fa4_unavailable() else fa4_forward
     fused = FusedAttentionA2A(group)
     a2a = SymmetricUlyssesA2A(group)
     # Keep-alive words: one 16-byte store into every peer per launch keeps NVLink out of its low-power state
@@ -234,7 +215,7 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
             b, s, h = (int(x) for x in spec.split("x"))
             q, k, v = (torch.randn(b, s, h, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
             o = torch.empty_like(q)
-            order = {"tile_order_world": world, "tile_order_rank": rank, **FUSED_WALK}
+            order = {"tile_order_world": world, "tile_order_rank": rank}  # the fused kernel's tile order
 
             def fa_only():
                 flash_attention(q, k, v, out=o, **order)
@@ -253,17 +234,18 @@ def _run(rank: int, world: int, group, args) -> list[dict]:
                      "fused": lambda: fused.launch(q, k, v, mode="piggyback", wait=False),
                      "fused_visible": lambda: fused.launch(q, k, v, mode="piggyback", wait=True),
                      "fused_self": lambda: fused.launch(q, k, v, mode="piggyback", wait=False, self_store=True),
-                     "serial_ours_nccl": lambda: nccl_post_a2a(flash_attention(q, k, v, out=o)),
+                     "serial_ours_nccl": lambda: nccl_post_a2a(flash_attention(q, k, v, out=o), group),
                      "serial_ours_symm": lambda: a2a(flash_attention(q, k, v, out=o))}
             if fa4 is not None:
                 every["fa4"] = lambda: fa4(q, k, v)
-                every["serial_fa4_nccl"] = lambda: nccl_post_a2a(fa4(q, k, v))
+                every["serial_fa4_nccl"] = lambda: nccl_post_a2a(fa4(q, k, v), group)
             for name, knobs in args.variants.items():
                 if "mode" in knobs:  # a fused column, sender-side like ``fused``
-                    every["fused_" + name] = (lambda kn: lambda: fused.launch(q, k, v, wait=False, **kn))(knobs)
+                    every[variant_column(name, knobs)] = (lambda kn: lambda: fused.launch(q, k, v, wait=False,
+                                                                                          **kn))(knobs)
                 else:  # FA-only in the fused walk with these knobs
-                    every["fa_ours_" + name] = (lambda kn: lambda: flash_attention(q, k, v, out=o,
-                                                                                   **{**order, **kn}))(knobs)
+                    every[variant_column(name, knobs)] = (lambda kn: lambda: flash_attention(q, k, v, out=o, **order,
+                                                                                             **kn))(knobs)
             kernels = {name: fn for name, fn in every.items() if name not in args.skip}
             if "fa_ours" not in kernels:
                 raise ValueError("fa_ours is every difference's base: do not skip it")
@@ -317,6 +299,19 @@ def run_ranks_and_gather(rank: int, world: int, init_file: str, run, args) -> li
     return [r for part in gathered for r in part] if rank == 0 else None
 
 
+def replot(path: str) -> tuple[str, str]:
+    """A saved result's summaries recomputed from its phases and its figure redrawn, written beside it as
+    <name>.replot.json and <name>.replot.png (the measured result is never overwritten). Returns their paths."""
+    with open(path) as f:
+        result = json.load(f)
+    result.update(summaries(result["phases"]))
+    stem = os.path.splitext(path)[0] + ".replot"
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, stem + ".png")
+    return stem + ".json", stem + ".png"
+
+
 def _worker(rank: int, world: int, init_file: str, args) -> None:
     from cute_kernels.runtime import provenance
 
@@ -337,8 +332,9 @@ def _worker(rank: int, world: int, init_file: str, args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="result JSON (its figure beside it, .png)")
-    p.add_argument("--plot", metavar="JSON", help="recompute a saved result's summary from its phases, write it "
-                                                  "back into the JSON and redraw its figure (no GPU)")
+    p.add_argument("--plot", metavar="JSON", help="recompute a saved result's summary from its phases and redraw "
+                                                  "its figure, both beside it as <name>.replot.json and "
+                                                  "<name>.replot.png (no GPU)")
     p.add_argument("--shapes", nargs="+", default=["1x49152x12", "1x32768x12", "1x65536x3"],
                    help="b x S x heads per rank (d = 128)")
     p.add_argument("--phases", type=int, default=6)
@@ -348,26 +344,21 @@ def main(argv=None) -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--no-fa4", action="store_true", help="leave flash-attn-4 out")
     p.add_argument("--variants", default="{}", metavar="JSON",
-                   help='extra columns as in xstage bench flash-a2a: {"name": {knobs}}: fused_<name> where the '
-                        'knobs hold a "mode", else fa_ours_<name>, e.g. \'{"rf": {"mode": "piggyback", '
-                        '"remote_first": true}}\'')
+                   help='extra columns as in xstage bench flash-a2a (a JSON object or the path of a .json file): '
+                        '{"name": {knobs}}: fused_<name> where the knobs hold a "mode", else fa_ours_<name>, e.g. '
+                        '\'{"nosplit": {"mode": "piggyback", "tail_split": false}}\'')
     p.add_argument("--skip", nargs="*", default=[],
                    help="columns to leave out (fa_ours_awake, fa_ours_tiny, fused, fused_visible, fused_self, "
                         "serial_ours_nccl, serial_ours_symm, fa4, serial_fa4_nccl)")
     args = p.parse_args(argv)
     if args.plot:  # the summary again from the phases (its definition may be newer than the run), then the figure
-        with open(args.plot) as f:
-            result = json.load(f)
-        result.update(summaries(result["phases"]))
-        with open(args.plot, "w") as f:
-            json.dump(result, f, indent=1)
-        plot(result, os.path.splitext(args.plot)[0] + ".png")
+        print("wrote " + " and ".join(replot(args.plot)))
         return
     if not args.out:
         p.error("--out is required (or --plot JSON)")
     try:
-        args.variants = parse_variants(args.variants)
-    except ValueError as e:  # json.JSONDecodeError is one too
+        args.variants = parse_variants(args.variants, BUILT_IN)
+    except (ValueError, OSError) as e:  # json.JSONDecodeError is a ValueError
         p.error(f"--variants: {e}")
     from cute_kernels.dist import spawn_ranks
 

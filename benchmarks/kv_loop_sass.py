@@ -4,9 +4,9 @@ Both are compiled for sm_90a from fake tensors (d = 128, bf16, non-causal, 128 x
 loop is printed as its synchronization skeleton (``cute_kernels.compile.loop_outline``: every HGMMA,
 barrier, mbarrier op and warpgroup wait, with the arithmetic ptxas placed between two of them), with the
 exponentials ahead of the PV wait (``softmax_overlap``) and the loop's length. Our kernel takes any
-``FlashAttentionA2AForward`` knobs (``--knobs JSON``); FA4 comes from an installed ``flash_attn`` or from
-``--fa4-path`` (a flash-attention checkout's directory holding ``flash_attn/``).
-Usage: CUTE_DSL_ARCH=sm_90a python3 benchmarks/kv_loop_sass.py [--knobs '{"cluster_kv": 2}'] [--fa4-path DIR]
+``FlashAttentionA2AForward`` options (``--knobs JSON``); FA4 comes from the ``flash_attn`` Python finds (an
+installed one, or a flash-attention checkout whose directory is on PYTHONPATH).
+Usage: CUTE_DSL_ARCH=sm_90a python3 -m benchmarks.kv_loop_sass [--knobs JSON] [--no-fa4] [--out JSON]
 """
 from __future__ import annotations
 
@@ -76,15 +76,12 @@ def describe(name: str, compiled) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--knobs", default="{}", help="FlashAttentionA2AForward knobs for our kernel (JSON)")
-    p.add_argument("--fa4-path", default=None, help="directory holding flash_attn/ (else an installed one)")
     p.add_argument("--no-fa4", action="store_true", help="our kernel only")
     p.add_argument("--out", default=None, help="also write both outlines as JSON")
     a = p.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     result = {"ours": describe(f"ours {a.knobs}", ours(json.loads(a.knobs)))}
     if not a.no_fa4:
-        if a.fa4_path:
-            sys.path.insert(0, a.fa4_path)
         result["fa4"] = describe("flash-attn-4 SM90", fa4())
     if a.out:
         with open(a.out, "w") as f:

@@ -2,7 +2,7 @@
 stores into its own HBM: what does keeping NVLink busy cost in watts, apart from the bytes?
 
 At the power cap the fused kernel needs FA-only's cycles but runs 15-75 MHz slower
-(``flash_a2a_variants/fused_clocks_d8a07f6.json``), about 2-4% of the board's 700 W, while its peer traffic
+(``flash_a2a_variants/fused_clocks_d8a07f6.json`` at 43e424d), about 2-4% of the board's 700 W, while its peer traffic
 is only ~3-5 GB/s per direction. If the links' active state draws a fixed power whenever stores trickle
 through them, a slow trickle costs nearly what a saturated link does, and no kernel-side store path (st,
 TMA, bulk: ``fused_clocks_stores_*.json``) can avoid it; if the cost is per byte, a trickle is nearly free.
@@ -16,7 +16,7 @@ the peer's stores arriving there do); each launch is replayed back to back from 
 (``peer``) and into local memory (``local``, the same kernel and bytes, no NVLink); ``idle`` is the host
 sleeping. Per load and rank: the median power and clock over its phases, and the peer - local difference
 phase by phase (``summarize_loads``). Usage (device):
-PYTHONPATH=$PWD python3 benchmarks/link_power.py --out $OUT/link_power.json
+python3 -m benchmarks.link_power --out $OUT/link_power.json (from the repository root)
 """
 from __future__ import annotations
 
@@ -28,9 +28,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fa_clocks import annotate_phases, close_sampler, one_launch_graph, open_sampler, timed_batch  # noqa: E402
-from fused_clocks import phase_order, run_ranks_and_gather, smi_target  # noqa: E402
+from benchmarks.fa_clocks import annotate_phases, close_sampler, one_launch_graph, open_sampler, timed_batch
+from benchmarks.fused_clocks import phase_order, run_ranks_and_gather, smi_target
 
 # name -> (producers, burst bytes per producer, gap kind, gap (ns for spin, iterations for fma), bursts/launch)
 LOADS = {

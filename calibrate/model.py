@@ -86,6 +86,15 @@ def t_iss_isolated(volume_bytes, t_iss0_us, drain_rate, capacity_bytes):
     return np.maximum(t_iss0_us, drain_time(np.subtract(volume_bytes, capacity_bytes), drain_rate))
 
 
+def capacity_overhead(volume_bytes, t_iss0_us, drain_rate, capacity_bytes):
+    """Eq. 7's backpressure overhead of an isolated burst, T_iss^iso - T_iss0 = [(V - Q)/R - T_iss0]+, in us.
+
+    Zero exactly when the capacity bound of eq. 10 holds ([V - R*T_iss0]+ <= Q); the capacity-bound
+    counterpart of eq. 4's rate-bound overhead.
+    """
+    return positive_part(drain_time(np.subtract(volume_bytes, capacity_bytes), drain_rate) - t_iss0_us)
+
+
 def capacity_from_knee(knee_volume_bytes, t_iss0_us, drain_rate):
     """Effective capacity Q from the isolated-burst knee: eq. 6 at the knee, in bytes.
 
@@ -99,11 +108,15 @@ def capacity_from_knee(knee_volume_bytes, t_iss0_us, drain_rate):
 
 @dataclass(frozen=True)
 class DesignVerdict:
-    """Outcome of the two-bound design test (eq. 10) for one recurring burst.
+    """Outcome of the two-bound design test (eq. 10) for one recurring burst, with what each bound costs.
 
-    Rates are in bytes/us, volumes in bytes, times in us.  ``verdict`` is
-    "piggyback" when both bounds hold, else "reshape"; ``reason`` says which
-    bound failed and by how much.
+    Rates are in bytes/us, volumes in bytes, times in us.  ``rate_ok`` and ``capacity_ok`` are eq. 10's two
+    bounds, strictly.  A failing bound has a price per burst: the rate bound eq. 4's ``overhead``
+    [V/R - G - T_iss0]+, the capacity bound eq. 7's ``capacity_overhead`` [(V - Q)/R - T_iss0]+ (issue time
+    ``t_iss_isolated``).  ``decided_by`` names the bound with the larger price ("none" when both hold);
+    ``cost_fraction`` is that price over the modeled period T_iss0 + price + G.  ``verdict`` is "piggyback"
+    when both bounds hold or the price is at most ``tolerance`` of the period, else "reshape"; with
+    tolerance 0 it is eq. 10 exactly.  ``reason`` says which bound failed, by how much and at what price.
     """
 
     rate_ok: bool
@@ -121,23 +134,34 @@ class DesignVerdict:
     overhead: float
     t_iss: float
     t_period: float
+    t_iss_isolated: float
+    capacity_overhead: float
+    decided_by: str
+    cost_fraction: float
+    tolerance: float
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def design_test(volume_bytes, gap_us, t_iss0_us, drain_rate, capacity_bytes) -> DesignVerdict:
-    """Eq. 10: rate bound V/(T_iss0 + G) <= R and capacity bound [V - R*T_iss0]+ <= Q.
+def design_test(volume_bytes, gap_us, t_iss0_us, drain_rate, capacity_bytes, tolerance=0.0) -> DesignVerdict:
+    """Eq. 10: rate bound V/(T_iss0 + G) <= R and capacity bound [V - R*T_iss0]+ <= Q, each priced.
 
-    Scalars only: the verdict is one decision for one kernel burst.
+    The rate bound's price is eq. 4, the capacity bound's eq. 7 (see :class:`DesignVerdict`); ``tolerance``
+    (a fraction of the period, >= 0) is how much of the period a piggybacked burst may lose before the
+    verdict is "reshape".  Scalars only: the verdict is one decision for one kernel burst.
     """
     volume, gap, t0 = float(volume_bytes), float(gap_us), float(t_iss0_us)
-    rate, capacity = float(drain_rate), float(capacity_bytes)
+    rate, capacity, tolerance = float(drain_rate), float(capacity_bytes), float(tolerance)
     if t0 + gap <= 0.0:
         raise ValueError(f"T_iss0 + G must be > 0 us (got {t0 + gap:g})")
+    if not tolerance >= 0.0:
+        raise ValueError(f"tolerance must be >= 0 (a fraction of the period), got {tolerance:g}")
     injection_rate = volume / (t0 + gap)
     peak = float(q_peak(volume, t0, rate))
     g_star = float(recovery_gap(volume, t0, rate))
+    rate_cost = float(issue_overhead(gap, volume, t0, rate))
+    capacity_cost = float(capacity_overhead(volume, t0, rate, capacity))
     rate_ok = injection_rate <= rate
     capacity_ok = peak <= capacity
 
@@ -146,17 +170,26 @@ def design_test(volume_bytes, gap_us, t_iss0_us, drain_rate, capacity_bytes) -> 
         failures.append(
             f"rate bound fails: injection {bytes_per_us_to_gbps(injection_rate):.0f} GB/s > "
             f"drain {bytes_per_us_to_gbps(rate):.0f} GB/s (gap {gap:.2f} us is "
-            f"{g_star - gap:.2f} us short of G* = {g_star:.2f} us)"
+            f"{g_star - gap:.2f} us short of G* = {g_star:.2f} us; eq. 4: +{rate_cost:.2f} us per burst)"
         )
     if not capacity_ok:
         failures.append(
             f"capacity bound fails: q_peak {peak / MIB:.3f} MiB > Q {capacity / MIB:.3f} MiB "
-            f"by {(peak - capacity) / MIB:.3f} MiB"
+            f"by {(peak - capacity) / MIB:.3f} MiB (eq. 7: issue {t0 + capacity_cost:.2f} us instead of "
+            f"T_iss0 = {t0:.2f} us, +{capacity_cost:.2f} us per burst)"
         )
+    cost = max(rate_cost, capacity_cost)
+    decided_by = "none" if not failures else ("rate" if rate_cost >= capacity_cost else "capacity")
+    fraction = cost / (t0 + cost + gap)
+    piggyback = not failures or fraction <= tolerance
+    if failures:
+        failures.append(f"the {decided_by} bound decides: +{cost:.2f} us = {100 * fraction:.2f}% of the "
+                        f"{t0 + cost + gap:.2f} us period, {'within' if piggyback else 'over'} the tolerance "
+                        f"{100 * tolerance:g}%")
     return DesignVerdict(
         rate_ok=bool(rate_ok),
         capacity_ok=bool(capacity_ok),
-        verdict="piggyback" if not failures else "reshape",
+        verdict="piggyback" if piggyback else "reshape",
         reason="; ".join(failures) or "both bounds hold",
         volume=volume,
         gap=gap,
@@ -166,9 +199,14 @@ def design_test(volume_bytes, gap_us, t_iss0_us, drain_rate, capacity_bytes) -> 
         q_peak=peak,
         capacity=capacity,
         recovery_gap=g_star,
-        overhead=float(issue_overhead(gap, volume, t0, rate)),
+        overhead=rate_cost,
         t_iss=float(t_iss(gap, volume, t0, rate)),
         t_period=float(t_period(gap, volume, t0, rate)),
+        t_iss_isolated=float(t_iss_isolated(volume, t0, rate, capacity)),
+        capacity_overhead=capacity_cost,
+        decided_by=decided_by,
+        cost_fraction=fraction,
+        tolerance=tolerance,
     )
 
 

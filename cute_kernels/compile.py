@@ -109,23 +109,40 @@ def ptxas_resource_usage(ptx: str, arch: str = DEFAULT_ARCH) -> dict[str, Resour
     if proc.returncode != 0:
         raise RuntimeError(f"ptxas failed on the generated PTX:\n{proc.stderr[-2000:]}")
     usage: dict[str, ResourceUsage] = {}
-    current = None
+    read: dict[str, set] = {}  # which of an entry's two report lines were found
+    current = props_of = None
     for line in proc.stderr.splitlines():
         m = re.search(r"Compiling entry function '([^']+)'", line)
         if m:
             current = m.group(1)
             usage[current] = ResourceUsage(0, 0, 0, 0, "")
+            read[current] = set()
             continue
         if current is None:
             continue
         u = usage[current]
         u.raw += line + "\n"
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            props_of = m.group(1)
         m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m:
-            u.stack_bytes, u.spill_stores, u.spill_loads = map(int, m.groups())
+            # The entry's own line, or a non-inlined callee's: a callee's local memory counts against the entry.
+            stack, stores, loads = map(int, m.groups())
+            u.stack_bytes += stack
+            u.spill_stores += stores
+            u.spill_loads += loads
+            if props_of == current:
+                read[current].add("spills")
         m = re.search(r"Used (\d+) registers", line)
         if m:
             u.registers = int(m.group(1))
+            read[current].add("registers")
+    # An entry whose lines were not found would read as zero spills: a check that checked nothing.
+    unread = [name for name, found in read.items() if found != {"spills", "registers"}]
+    if not usage or unread:
+        raise RuntimeError(f"cannot read registers and spills of {unread or 'any entry'} from ptxas -v:\n"
+                           f"{proc.stderr[-2000:]}")
     return usage
 
 

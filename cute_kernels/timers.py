@@ -23,3 +23,12 @@ def write_span(record: cute.Tensor, row, gt_start, gt_end, ck_start, ck_end) -> 
     record[row, 1] = cutlass.Int64(gt_end)
     record[row, 2] = cutlass.Int64(ck_start)
     record[row, 3] = cutlass.Int64(ck_end)
+
+
+def close_span(record: cute.Tensor, row, gt_start, ck_start) -> None:
+    """Store the span that started at (``gt_start``, ``ck_start``) and ends now into ``record[row, 0:4]``: each
+    end is read right before its own store, so the globaltimer end does not wait for the clock64 read."""
+    record[row, 0] = gt_start
+    record[row, 1] = cute.arch.globaltimer()
+    record[row, 2] = ck_start
+    record[row, 3] = cute.arch.clock64()

@@ -7,7 +7,9 @@
 - ``SymmetricUlyssesA2A``: the post-attention All-to-All alone, by device-initiated stores.
 """
 from flash_a2a.a2a import SymmetricUlyssesA2A, nccl_post_a2a
-from flash_a2a.api import FusedAttentionA2A, UlyssesAttention, flash_attention, fused_attention_a2a
+from flash_a2a.api import FusedAttentionA2A, flash_attention, fused_attention_a2a
+from flash_a2a.config import AttentionConfig, resolve_config
+from flash_a2a.ulysses import UlyssesAttention, pre_attention_a2a
 
-__all__ = ["FusedAttentionA2A", "SymmetricUlyssesA2A", "UlyssesAttention", "flash_attention",
-           "fused_attention_a2a", "nccl_post_a2a"]
+__all__ = ["AttentionConfig", "FusedAttentionA2A", "SymmetricUlyssesA2A", "UlyssesAttention", "flash_attention",
+           "fused_attention_a2a", "nccl_post_a2a", "pre_attention_a2a", "resolve_config"]

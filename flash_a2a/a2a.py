@@ -16,7 +16,7 @@ import torch.distributed._symmetric_memory as symm_mem
 from cute_kernels.dist import meet_after_compile
 from cute_kernels.runtime import check_error_word, new_error_word
 from flash_a2a.mapping import check_ulysses_shapes
-from flash_a2a.epoch import MAX_GRID
+from cute_kernels.epoch import MAX_GRID
 from flash_a2a.scatter import UlyssesScatterKernel, EpochWaitKernel
 
 _KERNELS: dict = {}

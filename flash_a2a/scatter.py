@@ -12,7 +12,7 @@ head h, batch) goes to rank j = h // (H/P), rows offset by rank·S/P, local head
 (b, S, H/P, d) buffer (mapping.pre_destination). Head varies fastest, so concurrent tiles spread over all
 destinations.
 
-Completion and buffer reuse follow the epoch-flag protocol of ``flash_a2a.epoch``.
+Completion and buffer reuse follow the epoch-flag protocol of ``cute_kernels.epoch``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from cutlass import Int32, Int64
 from cutlass.cute.runtime import make_fake_tensor
 
 from cute_kernels import flags as fl
-from flash_a2a.epoch import SHARE_TOTAL, announce_ready, ensure_ready, publish_done
+from cute_kernels.epoch import SHARE_TOTAL, announce_ready, ensure_ready, publish_done
 from flash_a2a.mapping import post_tile, pre_tile
 
 WORDS_PER_VEC = 4  # 128 bits

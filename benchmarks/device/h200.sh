@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One device call on nvidia-h200 (one GPU). From the repository root, with .devbundle carried:
+#   bash .devbundle/install.sh && export PYTHONPATH=$PWD &&
+#     XSTAGE_GIT_COMMIT=<commit> bash benchmarks/device/h200.sh [STAGE...]   (no stage: all)
+# Stages:
+#   info            nvidia-smi, driver, torch/DSL/flash-attn versions, commit: device_info.txt
+#   tests           the GPU tests (pytest -m "gpu or multigpu"); multi-GPU ones skip with their reason
+#   sass            the KV loop's SASS beside flash-attn-4's (python -m benchmarks.kv_loop_sass)
+#   calibrate       xstage calibrate: the local control only (remote calibration needs 2 GPUs)
+#   fa              FA-only against flash-attn-4 and cuDNN at P = 1 (xstage bench flash-a2a, no A2A columns)
+#   clocks          SM clock and power under FA-only and flash-attn-4 (python -m benchmarks.fa_clocks)
+#   variants NAME   FA-only beside the set in benchmarks/variants/NAME.json (or a path to one)
+#   compare         an older commit's FA-only beside this tree's, one process (python -m benchmarks.old_vs_new;
+#                   prepare .oldtree here with --prepare COMMIT and carry it)
+#   pack            every result into $OUT/h200_<commit>.tgz (the commit in each name); always runs last
+#   all             info tests sass calibrate fa pack
+# Each stage runs under its own timeout (<STAGE>_TIMEOUT) and starts only if that fits what is left of the
+# call (CALL_BUDGET_S, 575 s); the summary names the stages left for the next call. <STAGE>_ARGS appends
+# options to a stage's command (e.g. FA_ARGS="--seq-lens 16384 32768"). Logs and results: $OUT/h200/.
+# --list prints the stages; DRY_RUN=1 prints every command instead of running it (GPUS=N to pretend N GPUs).
+
+set -euo pipefail
+MACHINE=h200
+NOMINAL_GPUS=1
+STAGES=(info tests sass calibrate fa clocks variants compare pack all)
+ALL=(info tests sass calibrate fa pack)
+# shellcheck source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+stage_tests() {
+  needs 1 300
+  logged python3 -m pytest -q -rs -m "gpu or multigpu" tests "${ARGS[@]}"
+}
+stage_sass() {  # compiled here for sm_90a from fake tensors: no GPU needed
+  needs 0 240
+  logged env CUTE_DSL_ARCH=sm_90a python3 -m benchmarks.kv_loop_sass --out "$W/kv_loop_sass.json" "${ARGS[@]}"
+}
+stage_calibrate() {
+  needs 1 240
+  logged "${XSTAGE[@]}" calibrate --machine "$MACHINE" --out "$W/calibration" "${ARGS[@]}"
+}
+# At P = 1 the bench leaves out every column that needs a peer (All-to-All, serial, fused) and says so; the
+# plain-order FA-only column is fa_ours itself there.
+stage_fa() {  # 10 rounds, 48 adjacent (ours, FA4) pairs per shape
+  needs 1 540
+  logged "${XSTAGE[@]}" bench flash-a2a --out "$W/fa_only.json" --replays 10 --pairs 48 --no-spans \
+    --skip fa_ours_plain_order "${ARGS[@]}"
+}
+stage_clocks() {
+  needs 1 240
+  logged python3 -m benchmarks.fa_clocks --out "$W/fa_clocks.json" "${ARGS[@]}"
+}
+stage_variants() {  # a set's FA-only columns (its fused ones need a peer): 8 rounds, 32 pairs per column
+  needs 1 300
+  logged "${XSTAGE[@]}" bench flash-a2a --out "$W/variants_$VARIANT_SET.json" --seq-lens 16384 32768 --replays 8 \
+    --pairs 32 --no-spans --skip fa_ours_plain_order cudnn --variants "$VARIANT_FILE" "${ARGS[@]}"
+}
+
+stage_compare() {  # old against new by adjacent pairs, with an old-against-old noise column
+  needs 1 420
+  [ -n "$DRY_RUN" ] || [ -f .oldtree/COMMIT ] || skip "no .oldtree (python -m benchmarks.old_vs_new --prepare COMMIT, then carry .oldtree)"
+  logged env PYTHONPATH="$PYTHONPATH:$REPO/.oldtree" python3 -m benchmarks.old_vs_new --out "$W/old_vs_new.json" \
+    "${ARGS[@]}"
+}
+
+main "$@"

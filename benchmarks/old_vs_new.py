@@ -1,0 +1,130 @@
+"""An older commit's kernels beside this tree's, timed side by side in one process on one GPU: the check a
+refactor owes where an instruction of a kernel legitimately moved (benchmarks.sass_fingerprints shows which).
+
+    python -m benchmarks.old_vs_new --prepare 43e424d        # here (git, no GPU): .oldtree/old_flash_a2a, ...
+    PYTHONPATH=$PWD:$PWD/.oldtree python -m benchmarks.old_vs_new --out J [--shapes 1x8192x3 ...]   # the GPU
+
+``--prepare`` exports the commit's ``flash_a2a`` and ``cute_kernels`` into ``.oldtree/`` as ``old_flash_a2a``
+and ``old_cute_kernels`` (their imports renamed), so both versions import in one process. The run times FA-only
+(``flash_attention`` at its defaults, in the fused kernel's tile order for 2 ranks, as the benchmark's FA-only
+column does) of both by CUDA-Graph replay: interleaved rounds in a fresh order each round, and adjacent-launch
+pairs in alternating order (old, new; new, old) whose median difference is the verdict; an old-against-old pair
+set gives the run's noise. Both outputs are compared bit for bit (the refactor must not change them).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+
+OLD_DIR = ".oldtree"
+PACKAGES = ("flash_a2a", "cute_kernels")
+# split shapes (the tail launch moved) and unsplit ones (byte-identical: a control), bf16, d = 128 and 64
+DEFAULT_SHAPES = ("1x8192x3", "1x16384x12", "1x32768x12", "1x16384x3", "1x8192x12", "1x8192x3x64")
+
+
+def prepare(commit: str, into: str = OLD_DIR) -> str:
+    """Export ``commit``'s packages under ``into`` with every import of them renamed ``old_*``."""
+    blob = subprocess.run(["git", "archive", "--format=tar", commit, *PACKAGES], check=True,
+                          capture_output=True).stdout
+    pattern = re.compile(r"\b(" + "|".join(PACKAGES) + r")\b")
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        for member in tar.getmembers():
+            if not member.isfile() or not member.name.endswith(".py"):
+                continue
+            text = tar.extractfile(member).read().decode()
+            path = os.path.join(into, "old_" + member.name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(pattern.sub(lambda m: "old_" + m.group(1), text))
+    with open(os.path.join(into, "COMMIT"), "w") as f:
+        f.write(commit + "\n")
+    return into
+
+
+def _shape(spec: str) -> tuple[int, int, int, int]:
+    parts = [int(x) for x in spec.split("x")]
+    if len(parts) not in (3, 4):
+        raise argparse.ArgumentTypeError(f"a shape is BxSxH or BxSxHxD, got {spec!r}")
+    return (*parts, 128)[:4]
+
+
+def run(args) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.timing import alternated_excess, capture_graph, measure_rounds
+    from cute_kernels.dist import process_group
+    from cute_kernels.runtime import provenance
+
+    try:
+        from old_flash_a2a.api import flash_attention as old_fa
+    except ImportError as e:
+        raise SystemExit(f"old_flash_a2a does not import ({e}): put {args.old} on PYTHONPATH") from e
+    from flash_a2a.api import flash_attention as new_fa
+
+    with open(os.path.join(args.old, "COMMIT")) as f:
+        old_commit = f.read().strip()
+    rows = []
+    with process_group(0, 1, os.path.join(args.tmp, "pg")):
+        group = dist.group.WORLD
+        torch.manual_seed(args.seed)
+        print(f"seed={args.seed}")
+        for b, s, h, d in args.shapes:
+            q, k, v = (torch.randn(b, s, h, d, device="cuda").to(torch.bfloat16) for _ in range(3))
+            outs = {"old": torch.empty_like(q), "new": torch.empty_like(q)}
+            calls = {"old": lambda: old_fa(q, k, v, out=outs["old"], tile_order_world=2),
+                     "new": lambda: new_fa(q, k, v, out=outs["new"], tile_order_world=2)}
+            columns = {n: (fn, capture_graph(fn, args.calls_per_graph, group)[0]) for n, fn in calls.items()}
+            medians, _ = measure_rounds(columns, args.calls_per_graph, args.replays, group)
+            one = {n: capture_graph(fn, 1, group)[0] for n, fn in calls.items()}
+            pairs = alternated_excess(one["old"].replay, one["new"].replay, args.pairs, group)
+            noise = alternated_excess(one["old"].replay, capture_graph(calls["old"], 1, group)[0].replay, args.pairs,
+                                      group)
+            torch.cuda.synchronize()
+            rows.append({"shape": [b, s, h, d], "old_us": medians["old"], "new_us": medians["new"],
+                         "new_minus_old_us": pairs, "old_minus_old_us": noise,
+                         "identical_output": bool(torch.equal(outs["old"], outs["new"]))})
+            r = rows[-1]
+            print(f"{b}x{s}x{h}x{d}: old {r['old_us']:.1f} new {r['new_us']:.1f} µs; new-old by pairs "
+                  f"{pairs['median_us']:+.2f} [{pairs['q1_us']:+.2f}, {pairs['q3_us']:+.2f}], A/A "
+                  f"{noise['median_us']:+.2f} [{noise['q1_us']:+.2f}, {noise['q3_us']:+.2f}]; "
+                  f"same bits: {r['identical_output']}", flush=True)
+    return {"provenance": provenance(" ".join(sys.argv)), "old_commit": old_commit, "rows": rows,
+            "method": f"{args.replays} interleaved rounds of {args.calls_per_graph}-call graphs; {args.pairs} "
+                      "alternating adjacent pairs of one-call graph replays (new - old, and old - old as noise)"}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.old_vs_new", description=__doc__.split("\n")[0])
+    p.add_argument("--prepare", metavar="COMMIT", help="export COMMIT's kernels into --old (needs git; no GPU)")
+    p.add_argument("--old", default=OLD_DIR, help="the exported tree (default .oldtree; on PYTHONPATH for the run)")
+    p.add_argument("--out", help="result JSON (the GPU run)")
+    p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(x) for x in DEFAULT_SHAPES],
+                   help="BxSxH[xD] shapes (default: split and unsplit FA-only shapes)")
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--calls-per-graph", type=int, default=8)
+    p.add_argument("--pairs", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tmp", default="/tmp")
+    args = p.parse_args(argv)
+    if args.prepare:
+        print(f"exported {args.prepare} into {prepare(args.prepare, args.old)}")
+        return 0
+    if not args.out:
+        p.error("give --prepare COMMIT (here) or --out JSON (on the GPU)")
+    if not os.path.isfile(os.path.join(args.old, "COMMIT")):
+        p.error(f"{args.old} holds no exported commit: run --prepare COMMIT first and carry {args.old}")
+    result = run(args)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

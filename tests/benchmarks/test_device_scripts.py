@@ -1,0 +1,199 @@
+"""The device scripts (benchmarks/device/*.sh) and variant sets (benchmarks/variants/*.json), without a GPU:
+every script parses (bash -n), lists the stages it documents, and runs every stage in its dry run
+(DRY_RUN=1: each command printed, nothing run); every variant set names only the options that stay."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DEVICE = ROOT / "benchmarks" / "device"
+VARIANTS = ROOT / "benchmarks" / "variants"
+BASH = shutil.which("bash")
+if BASH is None:
+    pytest.skip("bash is not installed: the device scripts cannot be checked", allow_module_level=True)
+
+STAGES = {
+    "h200.sh": ["info", "tests", "sass", "calibrate", "fa", "clocks", "variants", "compare", "pack", "all"],
+    "h200x2.sh": ["info", "tests", "calibrate", "fa", "hiding", "clocks", "linkpower", "dit", "variants", "pack",
+                  "all"],
+    "h200x8.sh": ["info", "tests", "calibrate", "fa", "dit", "variants", "pack", "all"],
+}
+ALL = {
+    "h200.sh": ["info", "tests", "sass", "calibrate", "fa", "pack"],
+    "h200x2.sh": ["info", "tests", "calibrate", "fa", "dit", "pack"],
+    "h200x8.sh": ["info", "tests", "calibrate", "fa", "pack"],
+}
+NOMINAL_GPUS = {"h200.sh": 1, "h200x2.sh": 2, "h200x8.sh": 8}
+# The options that stay in FusedAttentionA2A.launch / flash_attention (issue 27), with their values.
+SURVIVING = {
+    "mode": {"local", "piggyback", "completion_coupled"},
+    "self_store": {True, False},
+    "tail_split": {"auto", False, True},
+    "store": {"auto", "st", "paced"},
+    "relay": {"auto", True, False},
+}
+FA_ONLY = {"tail_split"}  # what a column without "mode" (FA-only, flash_attention) may set
+# Flags, columns and knobs removed from the bench and the kernel: no dry run may print one.
+REMOVED = ["--alternate-pairs", "--alternate-min-us", "fa_ours_no_overlap", "fa_ours_lag_v", "fa_ours_nonpersistent",
+           "fa_ours_unpinned", "fa_ours_pin_all", "calibrate.cli", "pin_softmax", "signal", "peel_drip", "cluster_kv",
+           "benchmarks/fa_clocks.py", "benchmarks/fused_clocks.py", "benchmarks/link_power.py"]
+SAFE_ENV = ("NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NVSHMEM_DISABLE_NVLS=1")
+COMMIT = "abc1234"
+
+
+def variant_sets() -> list[Path]:
+    return sorted(VARIANTS.glob("*.json"))
+
+
+def dry_run(script: str, *words: str, out: Path, gpus: int | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if not (k.endswith(("_ARGS", "_TIMEOUT")) or k in ("GPUS", "CALL_BUDGET_S", "XSTAGE_CMD"))}
+    # a multicast switch turned on outside must come out off
+    env.update(DRY_RUN="1", OUT=str(out), XSTAGE_GIT_COMMIT=COMMIT, NCCL_NVLS_ENABLE="1")
+    if gpus is not None:
+        env["GPUS"] = str(gpus)
+    return subprocess.run([BASH, str(DEVICE / script), *words], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def check_commands(text: str) -> None:
+    for word in REMOVED:
+        assert word not in text, f"dry run prints the removed {word!r}:\n{text}"
+    for path in re.findall(r"--variants (\S+)", text):
+        assert (ROOT / path).is_file(), f"--variants {path}: no such file"
+    for module in re.findall(r"python3 -m (\S+)", text):
+        assert importlib.util.find_spec(module) is not None, f"python3 -m {module}: no such module"
+    for path in re.findall(r"(?:torchrun|python3) .*?(\S+\.py)\b", text):
+        assert (ROOT / path).is_file(), f"{path}: no such file"
+    header = text.splitlines()[0]
+    for setting in SAFE_ENV:
+        assert setting in header, f"{setting} not in force: {header}"
+
+
+@pytest.mark.parametrize("script", sorted(STAGES))
+def test_script_parses_and_lists_its_stages(script, tmp_path):
+    for path in (DEVICE / script, DEVICE / "lib.sh"):
+        parsed = subprocess.run([BASH, "-n", str(path)], capture_output=True, text=True)
+        assert parsed.returncode == 0, parsed.stderr
+    listed = dry_run(script, "--list", out=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.split() == STAGES[script]
+    assert 8 <= len(STAGES[script]) <= 12
+    usage = dry_run(script, "--help", out=tmp_path).stdout
+    for stage in STAGES[script]:  # the header documents every stage
+        assert re.search(rf"^  {stage}\b", usage, re.M), f"{script} --help does not describe {stage}"
+    assert len((DEVICE / script).read_text().splitlines()) <= 150
+
+
+@pytest.mark.parametrize("script,stage", [(s, st) for s, stages in sorted(STAGES.items()) for st in stages
+                                          if st not in ("all", "variants")])
+def test_every_stage_dry_runs(script, stage, tmp_path):
+    r = dry_run(script, stage, out=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_commands(r.stdout)
+    assert f"=== {stage} " in r.stdout
+    assert "\n+ " in r.stdout, f"{script} {stage} prints no command:\n{r.stdout}"
+    assert f"{stage} rc=0" in r.stdout
+
+
+@pytest.mark.parametrize("script", sorted(STAGES))
+@pytest.mark.parametrize("variant_set", [p.stem for p in variant_sets()])
+def test_variants_stage_passes_the_set_file(script, variant_set, tmp_path):
+    r = dry_run(script, "variants", variant_set, out=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_commands(r.stdout)
+    assert f"--variants benchmarks/variants/{variant_set}.json" in r.stdout
+    assert f"variants_{variant_set}.json" in r.stdout  # its own result file
+
+
+@pytest.mark.parametrize("script", sorted(STAGES))
+def test_all_runs_the_default_order_and_packs_last(script, tmp_path):
+    r = dry_run(script, out=tmp_path)  # no stage: all
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_commands(r.stdout)
+    ran = re.findall(r"^=== (\S+) \d", r.stdout, re.M)
+    assert ran == ALL[script]
+    assert f"_{COMMIT}.tgz" in r.stdout
+    # pack moves to the end even when named first
+    again = dry_run(script, "pack", "info", out=tmp_path)
+    assert re.findall(r"^=== (\S+) \d", again.stdout, re.M) == ["info", "pack"]
+
+
+@pytest.mark.parametrize("script", sorted(STAGES))
+def test_stages_skip_with_the_reason_when_gpus_are_missing(script, tmp_path):
+    r = dry_run(script, "fa", "tests", out=tmp_path, gpus=0)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "skipped fa: needs" in r.stdout and "skipped tests: needs 1 GPU(s), 0 visible" in r.stdout
+    assert "\n+ " not in r.stdout  # nothing would have run
+    if NOMINAL_GPUS[script] > 1:
+        few = dry_run(script, "fa", out=tmp_path, gpus=1)
+        assert "skipped fa: needs" in few.stdout and "1 visible" in few.stdout
+
+
+@pytest.mark.parametrize("script", sorted(STAGES))
+def test_unknown_stage_or_set_stops_before_anything_runs(script, tmp_path):
+    for words in (("info", "fahiding"), ("info", "variants", "no_such_set"), ("info", "variants")):
+        r = dry_run(script, *words, out=tmp_path)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "===" not in r.stdout
+
+
+def test_variant_sets_name_only_surviving_options():
+    sets = variant_sets()
+    assert sets, "benchmarks/variants/ holds no variant set"
+    readme = (VARIANTS / "README.md").read_text()
+    for path in sets:
+        assert f"`{path.name}`" in readme, f"{path.name} has no line in benchmarks/variants/README.md"
+        variants = json.loads(path.read_text())
+        assert isinstance(variants, dict) and variants, f"{path.name}: not a non-empty object"
+        for name, knobs in variants.items():
+            where = f"{path.name}: {name}"
+            assert re.fullmatch(r"[a-z][a-z0-9_]*", name), f"{where}: not a column name"
+            assert isinstance(knobs, dict) and knobs, f"{where}: knobs must be a non-empty object"
+            unknown = set(knobs) - set(SURVIVING)
+            assert not unknown, f"{where}: removed or unknown options {sorted(unknown)}"
+            if "mode" not in knobs:
+                assert set(knobs) <= FA_ONLY, f"{where}: an FA-only column takes only {sorted(FA_ONLY)}"
+            for knob, value in knobs.items():
+                # True == 1 in a set: compare the type too, so 1 or "true" is not taken for True
+                assert any(value == v and type(value) is type(v) for v in SURVIVING[knob]), \
+                    f"{where}: {knob}={value!r} is not one of {SURVIVING[knob]}"
+
+
+def xstage_commands(script: str, tmp_path: Path) -> list[list[str]]:
+    """The xstage argument lists that the dry runs of every stage (and every variant set) print."""
+    runs = [dry_run(script, *(s for s in STAGES[script] if s not in ("variants", "all")), out=tmp_path)]
+    runs += [dry_run(script, "variants", p.stem, out=tmp_path) for p in variant_sets()]
+    commands = []
+    for r in runs:
+        for line in r.stdout.splitlines():
+            if line.startswith("+ timeout ") and " python3 -m xstage " in line:  # + timeout T python3 -m xstage
+                commands.append(shlex.split(line[2:])[5:])
+    return commands
+
+
+@pytest.mark.parametrize("script", sorted(STAGES))
+def test_xstage_accepts_every_command_the_scripts_print(script, tmp_path, monkeypatch, capsys):
+    """Each printed xstage command, run here without a GPU, gets past its option and column checks to the GPU
+    check: a flag, column or variant set that the CLI no longer takes fails here, not in a device call."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: these commands would run the benchmarks for real")
+    from xstage.cli import main
+
+    monkeypatch.chdir(ROOT)  # the scripts name the variant sets from the repository root
+    commands = xstage_commands(script, tmp_path)
+    assert {c[0] for c in commands} >= {"calibrate", "bench"}, commands
+    for argv in commands:
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and re.search(r"needs a (CUDA )?GPU", err), f"xstage {shlex.join(argv)}: rc {rc}, {err}"

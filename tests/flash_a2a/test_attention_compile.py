@@ -1,0 +1,235 @@
+"""The attention kernels as built for sm_90a (CPU, fake tensors): WGMMA and 128-bit stores in every variant,
+no spills, the flag protocol each walk claims, the KV loop's schedule shared by the local, fused and split
+kernels, and the constructor's refusals. Each check asserts that what it compares was found."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16"
+
+
+def _compile(dump_dir, **knobs):
+    """FlashAttentionA2AForward(**knobs) compiled for sm_90a from fake tensors, dumping into ``dump_dir``."""
+    from cutlass.runtime import make_fake_stream
+
+    from cute_kernels.compile import compile_kernel
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    k = FlashAttentionA2AForward(**knobs)
+    return compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(dump_dir))
+
+
+def _sass(compiled) -> str:
+    from cute_kernels.compile import sass
+
+    text = sass(compiled.cubin)
+    if text is None:
+        pytest.skip("no nvdisasm on this machine (it comes with triton): cannot read the SASS")
+    return text
+
+
+def _no_spills(compiled) -> None:
+    from cute_kernels.compile import ptxas_resource_usage
+
+    usage = ptxas_resource_usage(compiled.ptx, "sm_90a")
+    if usage is None:
+        pytest.skip("no ptxas on PATH new enough for this PTX: cannot check spills")
+    assert usage, "ptxas reported no kernel entry"
+    for name, u in usage.items():
+        assert u.spill_stores == 0 and u.spill_loads == 0 and u.stack_bytes == 0, (name, u)
+
+
+def _window(text: str) -> list[tuple[int, int]]:
+    """The KV loop's softmax window (exponentials, FFMAs between the S wait and the PV wait): found, once."""
+    from cute_kernels.compile import softmax_overlap
+
+    windows = softmax_overlap(text)
+    assert len(windows) == 1, f"expected one overlapped KV loop, found {windows}"
+    return windows
+
+
+def _fused(**knobs) -> dict:
+    return {"head_dim": 128, "mode": "piggyback", "n_dst": 2, **knobs}
+
+
+@pytest.mark.parametrize("store", ["st", "paced"])
+@pytest.mark.parametrize("mode", ["local", "piggyback", "completion_coupled"])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_variants_compile_with_wgmma_and_128_bit_stores(tmp_path, mode, head_dim, store):
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    n_dst = 1 if mode == "local" else 2
+    if store == "paced" and mode != "piggyback":
+        with pytest.raises(ValueError, match="paced"):
+            FlashAttentionA2AForward(head_dim=head_dim, mode=mode, store=store, n_dst=n_dst)
+        return
+    c = _compile(tmp_path, head_dim=head_dim, mode=mode, store=store, n_dst=n_dst)
+    assert c.ptx_count(WGMMA) >= 2 * (head_dim // 16)
+    assert c.ptx_count(r"cp\.async\.bulk\.tensor") >= 3, "Q, K, V through TMA"
+    assert c.ptx_count(r"st\.global\.v4") >= 1, "128-bit output stores"
+    assert c.ptx_count(r"st\.global\.(b16|v2)") == 0, "no narrower output stores (b32/b64: the flag words)"
+    assert c.ptx_count(r"setmaxnreg") == 2, "producer/consumer register split"
+    assert c.ptx_count(r"ld\.local|st\.local") == 0
+    # the ready wait's acquire fence after its relaxed polls, the completion fence (and per tile when coupled)
+    assert c.ptx_count(r"fence\.acq_rel\.sys") == {"local": 0, "piggyback": 2, "completion_coupled": 3}[mode]
+    assert c.ptx_count(r"fence\.acq_rel\.gpu") == 0
+    if mode != "local":
+        assert c.ptx_count(r"ld\.relaxed\.sys") >= 1, "bounded wait for the receiver's ready flag"
+        assert c.ptx_count(r"ld\.acquire\.sys") == 0, "no acquire (L1 invalidation) per poll"
+        assert c.ptx_count(r"%globaltimer") >= 1, "the ready wait is bounded by a deadline"
+    _no_spills(c)
+
+
+def test_flag_protocol_per_walk(tmp_path):
+    """Each walk of the fused kernel compiles to exactly its part of the flag protocol: "all" the ready polls
+    (relaxed loads, one acquire fence), the completion fence and the data-flag adds; "rounds" (the split's first
+    launch) the ready gate only; "tail" no ready gate, the wait for the rounds kernel, then the fence and adds;
+    the local kernel none of it."""
+    # (system fences, ready polls, data-flag adds, grid-dependency waits)
+    expect = {"all": (2, True, True, 0), "rounds": (1, True, False, 0), "tail": (1, False, True, 1)}
+    for walk, (fences, polls, adds, waits) in expect.items():
+        c = _compile(tmp_path / walk, **_fused(walk=walk))
+        got = (c.ptx_count(r"fence\.acq_rel\.sys"), c.ptx_count(r"ld\.relaxed\.sys") > 0,
+               c.ptx_count(r"red\.relaxed\.sys(\.global)?\.add\.u64") > 0, c.ptx_count(r"griddepcontrol\.wait"))
+        assert got == (fences, polls, adds, waits), (walk, got)
+        assert c.ptx_count(r"nanosleep") == 0, walk
+    local = _compile(tmp_path / "local", head_dim=128, mode="local")
+    assert local.ptx_count(r"\.sys") == 0, "FA-only touches nothing at system scope"
+
+
+def test_default_kv_loop_window_and_outline(tmp_path):
+    """The default KV loop (d = 128): 16 HGMMA, one scheduler-barrier wait and arrival, both warpgroup waits in
+    order (S ready, then PV done), all 66 exponentials, 52 of them ahead of the PV wait (PINNED_EXPONENTIALS=40
+    plus what ptxas hoists), and the 64 O-rescale FMULs behind a warp-uniform branch (RESCALE_THRESHOLD)."""
+    from cute_kernels.compile import hgmma_loop, loop_outline
+
+    text = _sass(_compile(tmp_path, head_dim=128, mode="local"))
+    assert "STL" not in text and "LDL" not in text
+    assert _window(text) == [(52, 66)]
+    body = hgmma_loop(text, 16)
+    assert body is not None, "no KV loop of 16 HGMMAs"
+    outline = loop_outline(body)
+    syncs = [x for kind, x in outline if kind == "sync"]
+    assert sum("HGMMA" in x for x in syncs) == 16
+    assert sum("BAR.SYNC" in x for x in syncs) == 1 and sum("BAR.ARV" in x for x in syncs) == 1
+    waits = [x for x in syncs if "WARPGROUP.DEPBAR" in x]
+    assert len(waits) == 2 and "0x1" in waits[0] and "0x0" in waits[1]
+    assert sum(ops.get("MUFU", 0) for kind, ops in outline if kind == "ops") == 66
+    assert len(syncs) + sum(sum(ops.values()) for kind, ops in outline if kind == "ops") == len(body)
+    assert any("VOTE" in x for x in body), "the rescale skip's warp vote"
+    assert len([ops for kind, ops in outline if kind == "ops" and ops.get("FMUL", 0) == 64]) == 1
+
+
+def test_fused_and_split_kernels_keep_the_local_kv_loop(tmp_path):
+    """The fused epilogues and the split's rounds kernel must not change how ptxas schedules the shared KV loop
+    (holding S/P live across it once moved 61 of 66 exponentials ahead of the PV wait instead of 51); the fused
+    ready wait leaves the TMA producer's KV loop without R2UR (a run-time loop over the ranks once put 8 per KV
+    block there, ~0.65% of the kernel on H200)."""
+    from cute_kernels.compile import sass_loop
+
+    local = _sass(_compile(tmp_path / "local", head_dim=128, mode="local"))
+    base = _window(local)
+    for name, knobs in (("piggyback", _fused()), ("completion_coupled", _fused(mode="completion_coupled")),
+                        ("rounds_local", {"head_dim": 128, "mode": "local", "walk": "rounds"}),
+                        ("rounds_fused", _fused(walk="rounds"))):
+        c = _compile(tmp_path / name, **knobs)
+        text = _sass(c)
+        assert _window(text) == base, name
+        producer = sass_loop(text, lambda body: sum("UTMALDG" in x for x in body) == 4)
+        assert producer is not None, f"{name}: no producer KV loop with its 4 TMA loads"
+        assert not any("R2UR" in x for x in producer), (name, [x for x in producer if "R2UR" in x])
+        if name.startswith("rounds"):
+            assert c.ptx_count(r"griddepcontrol\.launch_dependents") == 1, name
+
+
+def test_paced_stores_issue_inside_the_q_loop(tmp_path):
+    """store="paced": the KV loop (16 HGMMAs at d = 128) also holds a 128-bit global store and a shared-memory
+    load (a vector of the previous tile's staged rows); the burst's loop holds no global store."""
+    from cute_kernels.compile import hgmma_loop
+
+    loops = {}
+    for store in ("st", "paced"):
+        c = _compile(tmp_path / store, **_fused(store=store))
+        text = _sass(c)
+        assert "STL" not in text and "LDL" not in text
+        loops[store] = hgmma_loop(text, 16)
+        assert loops[store] is not None, store
+        _no_spills(c)
+    assert not any("STG" in x for x in loops["st"])
+    assert any("STG.E.128" in x for x in loops["paced"]), loops["paced"]
+    assert any(re.search(r"(^|\s)LDS", x) for x in loops["paced"])
+
+
+def test_split_tail_kernel_counts_chunks_and_waits_for_the_rounds(tmp_path):
+    """The split's tail launch (walk "tail"): WGMMA, a GPU-scope acq_rel atomic per chunk count, the chunk
+    count and buffers from its own typed arguments (no 64-bit global load of an argument table before the
+    walk), and in the fused kernel the wait for the rounds kernel before its flags."""
+    for name, knobs in (("local", {"head_dim": 128, "mode": "local"}), ("fused", _fused())):
+        c = _compile(tmp_path / name, walk="tail", **knobs)
+        assert c.ptx_count(WGMMA) >= 16, name
+        assert c.ptx_count(r"atom(\.global)?\.acq_rel(\.gpu)?(\.global)?\.add") >= 1, name
+        assert c.ptx_count(r"griddepcontrol\.wait") == (1 if name == "fused" else 0), name
+        _no_spills(c)
+
+
+def test_relay_tail_compiles_with_its_copies_in_the_q_loop(tmp_path):
+    """relay=True (the fused tail launch sends the rounds kernel's shadowed peer tiles on): 128-bit loads and
+    stores beyond the plain tail kernel's, the grid-dependency wait ahead of its first load as well as before
+    the flags, no spills; in the KV loop each event takes its addresses from shared memory and no integer
+    division (each cost the chunks ~4-5 µs at 3 heads/8K on H200)."""
+    from cute_kernels.compile import hgmma_loop
+
+    plain = _compile(tmp_path / "plain", **_fused(walk="tail"))
+    relay = _compile(tmp_path / "relay", **_fused(walk="tail", relay=True))
+    for pat in (r"ld\.global\.v4", r"st\.global\.v4"):
+        assert relay.ptx_count(pat) > plain.ptx_count(pat), pat
+    assert relay.ptx_count(r"griddepcontrol\.wait") > plain.ptx_count(r"griddepcontrol\.wait") >= 1
+    loop = hgmma_loop(_sass(relay), 16)
+    assert loop is not None, "no KV loop of 16 HGMMAs"
+    text = "\n".join(loop)
+    assert "LDG.E.128" in text and "STG.E.128" in text, "the relay's load and store sit in the KV loop"
+    assert "LDS.64" in text and "LDG.E.64" not in text, "addresses from shared memory, not global"
+    assert "MUFU.RCP" not in text and "I2F" not in text, "no integer division in the KV loop"
+    _no_spills(relay)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"mode": "sideways"}, "mode"), ({"head_dim": 96}, "head_dim"), ({"store": "tma"}, "store"),
+    ({"walk": "backwards"}, "walk"), ({"mode": "local", "n_dst": 2}, "n_dst"),
+    ({"mode": "completion_coupled", "store": "paced", "n_dst": 2}, "paced"),
+    ({"mode": "piggyback", "n_dst": 2, "walk": "tail", "store": "paced"}, "paced"),
+    ({"walk": "rounds", "instrument": True}, "split tail"), ({"walk": "tail", "head_dim": 64}, "split tail"),
+    ({"relay": True}, "relay"), ({"mode": "piggyback", "n_dst": 2, "relay": True}, "relay"),
+    ({"mode": "piggyback", "n_dst": 1, "walk": "tail", "relay": True}, "relay")])
+def test_constructor_refuses_what_it_does_not_build(bad, match):
+    import cutlass
+
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    with pytest.raises(ValueError, match=match):
+        FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", **bad})
+    with pytest.raises(ValueError, match="dtype"):
+        FlashAttentionA2AForward(dtype=cutlass.Float32)
+
+
+def test_bad_input_rejected_before_launch():
+    from flash_a2a.api import check_qkv, flash_attention
+
+    q = torch.zeros(1, 256, 2, 128, dtype=torch.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        check_qkv(q, q, q)
+    with pytest.raises(ValueError, match="4-D"):
+        check_qkv(q[0], q[0], q[0])
+    qb = q.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA"):
+        check_qkv(qb, qb, qb)
+    with pytest.raises(ValueError, match="tile_order_rank"):
+        flash_attention(q, q, q, tile_order_world=2, tile_order_rank=2)
+    with pytest.raises(ValueError, match="tile_order_world"):
+        flash_attention(q, q, q, tile_order_world=0)

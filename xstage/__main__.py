@@ -1,0 +1,4 @@
+"""``python -m xstage``: the ``xstage`` command."""
+from xstage.cli import main
+
+raise SystemExit(main())
