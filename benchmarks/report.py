@@ -39,7 +39,8 @@ def _hiding_cell(row: dict) -> str:
     return f"{h:.3f} [{lo}–{hi}]"
 
 
-def table_row(row: dict) -> str:
+def table_cells(row: dict) -> list[str]:
+    """One row of the table, cell by cell ("–" where the run has no such column)."""
     t_fa = row.get("fa_ours_us")
     e_res = row.get("fused_E_res_us")
     e_txt = "–"
@@ -66,13 +67,21 @@ def table_row(row: dict) -> str:
              _pair(row, "pre_a2a_nccl", "pre_a2a_symm"), _us(row, "serial_ours_nccl"), _us(row, "serial_fa4_nccl"),
              _us(row, "fused"), e_txt, f"{cc:+.0f}" if cc is not None else "–",
              _hiding_cell(row), speed]
-    return "| " + " | ".join(cells) + " |"
+    return cells
+
+
+def table_row(row: dict) -> str:
+    return "| " + " | ".join(table_cells(row)) + " |"
 
 
 def markdown_table(result: dict) -> str:
     """``result``: the JSON object ``xstage bench flash-a2a`` writes. ours/FA4 is T_FA4 / T_ours (1 = parity)."""
-    lines = [HEADER, "|" + " --- |" * (HEADER.count("|") - 1)]
-    lines += [table_row(r) for r in result["rows"]]
+    header = [c.strip() for c in HEADER.strip("|").split("|")]
+    rows = [table_cells(r) for r in result["rows"]]
+    # columns no row of this run has (a one-GPU run has no All-to-All, serial or fused column) are left out
+    keep = [i for i in range(len(header)) if any(cells[i] not in ("–", "– (0.980)") for cells in rows)]
+    lines = ["| " + " | ".join(header[i] for i in keep) + " |", "|" + " --- |" * len(keep)]
+    lines += ["| " + " | ".join(cells[i] for i in keep) + " |" for cells in rows]
     return "\n".join(lines)
 
 

@@ -147,6 +147,7 @@ def test_markdown_table_has_one_line_per_row_with_its_numbers(tmp_path, capsys):
     rows[-1]["speedup_fused_over_serial_ours_nccl"] = 1.01
     rows[-1]["speedup_fused_over_serial_fa4_nccl"] = 1.02
     rows[-1]["speedup_fused_over_serial_fa4_nccl_paired"] = 1.0345
+    rows[-1]["cudnn_us"] = 2 * rows[-1]["fa_ours_us"]  # cuDNN in one row only: its column stays, dashed elsewhere
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"rows": rows}))
     capsys.readouterr()  # the seed line
@@ -160,7 +161,9 @@ def test_markdown_table_has_one_line_per_row_with_its_numbers(tmp_path, capsys):
     assert "[rounds +123]" in lines[-1]
     assert "[pairs 0.988]" in lines[-1] and "[pairs" not in lines[2]
     assert "[pairs 1.034]" in lines[-1].split(" | ")[-1]  # the speedup over serial FA4 + NCCL from pairs
-    assert "–" in lines[2]  # columns a row lacks (cuDNN here) print as a dash, not a crash
+    assert first[4] == "–" and lines[-1].split(" | ")[4] != "–"  # a column a row lacks prints as a dash
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert "cuDNN" in header and "post A2A NCCL / symm" not in header  # a column no row has is left out
     assert cli.main(["bench", "flash-a2a", "--table", str(path)]) == 0  # the same through the command
     assert capsys.readouterr().out.splitlines() == lines
 
