@@ -27,6 +27,7 @@ from flash_a2a.attention import MODES, FlashAttentionA2AForward
 from flash_a2a.tiling import PARTIAL_FLOATS, TILE_M, TILE_N, WG_THREADS
 from flash_a2a.config import AttentionConfig, resolve_config
 from flash_a2a.mapping import check_ulysses_shapes, relay_share
+from flash_a2a.spans import SPAN_FIELDS, dump_rows
 
 _KERNELS: dict = {}
 DEFAULT_TIMEOUT_NS = 2_000_000_000
@@ -74,15 +75,15 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world: int = 1)
                          f"({world} rank(s) x {TILE_M}-row tiles); pad the sequence")
 
 
-def check_spans(spans, n_tiles: int, device, extra_rows: int = 0) -> None:
-    """The instrumentation buffer: int64 (n_tiles x 2 MMA warpgroups + ``extra_rows``, 4) on the kernel's
-    device: per tile row the remote-store span (globaltimer start, end; clock64 start, end); the fused kernel
-    adds one row per CTA (``extra_rows`` = its grid) for the ready protocol (flash_a2a.spans.ready_rows)."""
+def check_spans(spans, n_tiles: int, device, grid: int = 0) -> None:
+    """The instrumentation buffer (flash_a2a.spans): int64 (dump_rows(n_tiles, grid), 4) on the kernel's device,
+    one row per (tile, MMA warpgroup), then the fused kernel's one per CTA of its ``grid`` (0: FA-only)."""
     if spans is None:
         return
-    rows = n_tiles * (TILE_M // 64) + extra_rows
+    rows = dump_rows(n_tiles, grid)
     if (not isinstance(spans, torch.Tensor) or spans.dtype != torch.int64 or spans.device != device
-            or spans.dim() != 2 or spans.shape[0] < rows or spans.shape[1] != 4 or not spans.is_contiguous()):
+            or spans.dim() != 2 or spans.shape[0] < rows or spans.shape[1] != len(SPAN_FIELDS)
+            or not spans.is_contiguous()):
         raise ValueError(f"spans must be a contiguous int64 tensor of shape ({rows}, 4) on {device} "
                          f"(one row per tile and MMA warpgroup, then one per CTA of the fused kernel); allocate "
                          f"torch.zeros({rows}, 4, dtype=torch.int64)")
