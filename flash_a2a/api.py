@@ -64,15 +64,26 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world: int = 1)
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device) or q.device.index != torch.cuda.current_device():
         raise ValueError(f"q, k, v must all live on the current device cuda:{torch.cuda.current_device()}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v must have one shape (self-attention, no GQA), got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    b, s, h, d = q.shape
+    check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape), world)
+
+
+def check_shapes(q_shape: tuple, k_shape: tuple, v_shape: tuple, world: int = 1) -> None:
+    """ValueError naming the fix unless q (b, S, H, d) and k, v (b, S_kv, H_kv, d) are shapes the kernel takes:
+    H a multiple of H_kv, d 64 or 128, S a multiple of world x 128 rows, S_kv a multiple of 128."""
+    b, s, h, d = q_shape
+    if k_shape != v_shape or k_shape[0] != b or k_shape[3] != d:
+        raise ValueError(f"k and v must share one shape (b, S_kv, H_kv, d) with q's batch and head_dim, got q "
+                         f"{q_shape}, k {k_shape}, v {v_shape}")
+    s_kv, h_kv = k_shape[1], k_shape[2]
+    if h % h_kv:
+        raise ValueError(f"q's {h} heads must be a multiple of k/v's {h_kv} (GQA/MQA: H_q divisible by H_kv)")
     if d not in (64, 128):
         raise ValueError(f"head_dim must be 64 or 128, got {d}")
     if s % (world * TILE_M):
         raise ValueError(f"sequence length {s} must be a multiple of {world * TILE_M} "
                          f"({world} rank(s) x {TILE_M}-row tiles); pad the sequence")
+    if s_kv % TILE_N or s_kv == 0:
+        raise ValueError(f"the key/value length {s_kv} must be a positive multiple of {TILE_N}")
 
 
 def check_spans(spans, n_tiles: int, device, grid: int = 0) -> None:
@@ -152,11 +163,13 @@ def _split_buffers(device, config: AttentionConfig) -> SplitTailBuffers:
 
 
 def _kernels_of(config: AttentionConfig, dtype, head_dim: int, mode: str, n_dst: int, instrument: bool,
-                split: SplitTailBuffers | None, dst_ptrs, relay_ptrs=None) -> list[tuple]:
+                split: SplitTailBuffers | None, dst_ptrs, relay_ptrs=None, separate_kv: bool = False,
+                lse: bool = False) -> list[tuple]:
     """The config's kernels in launch order, each with its arguments beyond the shared ones: (compiled kernel,
     destinations, (split workspace, counters, k), relay shadows). With a split the whole rounds go first (to
     ``dst_ptrs``, or with the relay to the local shadows), then the chunks; ``relay_ptrs`` =
-    (the real destinations, the rounds kernel's table, the shadows to send on)."""
+    (the real destinations, the rounds kernel's table, the shadows to send on). ``separate_kv``: k/v of
+    another shape than q (cross-attention, GQA); ``lse``: the kernel writes the log-sum-exp too."""
     kernels = []
     for launch in config.launches():
         ptrs, work, shadows = dst_ptrs, (None, None, 1), None
@@ -166,13 +179,15 @@ def _kernels_of(config: AttentionConfig, dtype, head_dim: int, mode: str, n_dst:
             work = (split.workspace, split.counters, split.k)
             if config.relay:
                 ptrs, shadows = relay_ptrs[0], relay_ptrs[2]
-        kernels.append((_kernel(dtype, head_dim, mode, n_dst, instrument, **launch), ptrs, work, shadows))
+        variant = {**launch, **({"separate_kv": True} if separate_kv else {}), **({"lse": True} if lse else {})}
+        kernels.append((_kernel(dtype, head_dim, mode, n_dst, instrument, **variant), ptrs, work, shadows))
     return kernels
 
 
 def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, tail_split="auto", tile_order_world: int = 1,
-                    tile_order_rank: int = 0) -> torch.Tensor:
-    """Non-causal attention softmax(q kᵀ · scale) v on one GPU, (b, S, H, d) in and out.
+                    tile_order_rank: int = 0, return_lse: bool = False):
+    """Non-causal attention softmax(q kᵀ · scale) v on one GPU: q (b, S, H, d), k and v (b, S_kv, H_kv, d) (cross-
+    attention where S_kv != S; GQA/MQA where H_kv divides H), out (b, S, H, d).
 
     ``tail_split`` (flash_a2a.config.resolve_config): "auto" (the default) runs the persistent walk's last,
     partly empty round as KV chunks in a second, programmatic dependent launch where that pays; True wherever
@@ -180,7 +195,9 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, tail_spli
     (another summation order) and is the same bit for bit in the fused kernel with the same split.
     ``tile_order_world=P`` walks the tiles in the fused kernel's order for P ranks (destination rank fastest;
     ``tile_order_rank``'s own tiles end the walk) without changing the result, so FA-only and fused runs can be
-    compared on the same schedule. ``spans``: per-tile instrumentation (``check_spans``)."""
+    compared on the same schedule. ``spans``: per-tile instrumentation (``check_spans``). ``return_lse``: also
+    return each row's softmax log-sum-exp, float32 (b, H, S), natural log of the scaled logits (flash-attn's
+    ``softmax_lse``), as ``(out, lse)``; such a launch runs unsplit."""
     if not (isinstance(tile_order_world, int) and tile_order_world >= 1):
         raise ValueError(f"tile_order_world must be an int >= 1, got {tile_order_world!r}")
     if not 0 <= tile_order_rank < tile_order_world:
@@ -195,16 +212,17 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, tail_spli
     n_tiles = (s // TILE_M) * h * b
     check_spans(spans, n_tiles, q.device)
     grid = _grid(n_tiles, q.device)
-    config = resolve_config("local", n_tiles, grid, s // TILE_N, 1, head_dim=d, instrument=spans is not None,
-                            tail_split=tail_split)
+    config = resolve_config("local", n_tiles, grid, k.shape[1] // TILE_N, 1, head_dim=d, instrument=spans is not None,
+                            lse=bool(return_lse), tail_split=tail_split)
     la = _local_args(q.device)
     split = _split_buffers(q.device, config) if config.tail_split else None
+    lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device) if return_lse else None
     head = (la.flag_ptrs, la.flags, la.epoch, la.counter, la.errors, spans if spans is not None else la.spans)
     tail = (_scale(softmax_scale, d), tile_order_rank, tile_order_world, grid, DEFAULT_TIMEOUT_NS)
     for fn, ptrs, work, shadows in _kernels_of(config, q.dtype, d, "local", 1, spans is not None, split,
-                                               la.dst_ptrs):
-        fn(q, k, v, out, ptrs, *head, *tail, *work, shadows)
-    return out
+                                               la.dst_ptrs, separate_kv=k.shape != q.shape, lse=lse is not None):
+        fn(q, k, v, out, ptrs, *head, *tail, *work, shadows, lse)
+    return (out, lse) if return_lse else out
 
 
 class FusedAttentionA2A:
@@ -225,13 +243,15 @@ class FusedAttentionA2A:
                                                q.device)
         return self.states[key]
 
-    def config(self, q, mode: str = "piggyback", spans=None, tail_split="auto", store="auto",
-               relay="auto") -> AttentionConfig:
-        """What ``launch`` with these arguments runs for q's shape (no launch, no allocation)."""
+    def config(self, q, mode: str = "piggyback", spans=None, tail_split="auto", store="auto", relay="auto",
+               k_len: int | None = None) -> AttentionConfig:
+        """What ``launch`` with these arguments runs for q's shape (no launch, no allocation); ``k_len``: the
+        key/value length (q's by default)."""
+        k_len = q.shape[1] if k_len is None else k_len
         b, s, h_loc, d = q.shape
         n_tiles = (s // TILE_M) * h_loc * b
         vectors = relay_share(0, 1, self.world, b, s // self.world, h_loc, d * q.element_size() // 16)[2]
-        return resolve_config(mode, n_tiles, _grid(n_tiles, q.device), s // TILE_N, self.world, head_dim=d,
+        return resolve_config(mode, n_tiles, _grid(n_tiles, q.device), k_len // TILE_N, self.world, head_dim=d,
                               instrument=spans is not None, relay_vectors=vectors, tail_split=tail_split,
                               store=store, relay=relay)
 
@@ -253,7 +273,7 @@ class FusedAttentionA2A:
         n_tiles = (s // TILE_M) * h_loc * b
         grid = _grid(n_tiles, q.device)
         check_spans(spans, n_tiles, q.device, grid)
-        config = self.config(q, mode, spans, tail_split, store, relay)
+        config = self.config(q, mode, spans, tail_split, store, relay, k.shape[1])
         st = self.state(q)
         self.decided[(b, s, h_loc, d, q.dtype)] = config
         dst_ptrs = st.self_ptrs if self_store else st.out_ptrs
@@ -269,10 +289,11 @@ class FusedAttentionA2A:
                 spans if spans is not None else _local_args(q.device).spans)
         tail = (_scale(softmax_scale, d), self.rank, self.world, grid, self.timeout_ns)
         compiled = len(_KERNELS)
-        kernels = _kernels_of(config, q.dtype, d, mode, self.world, spans is not None, split, dst_ptrs, relay_ptrs)
+        kernels = _kernels_of(config, q.dtype, d, mode, self.world, spans is not None, split, dst_ptrs, relay_ptrs,
+                              separate_kv=k.shape != q.shape)
         meet_after_compile(compiled, len(_KERNELS), self.group)  # a rank that compiled: start together
         for fn, ptrs, work, shadows in kernels:
-            fn(q, k, v, q, ptrs, *head, *tail, *work, shadows)
+            fn(q, k, v, q, ptrs, *head, *tail, *work, shadows, None)
         if wait:
             st.wait(self.world, self.timeout_ns)
         return st.out

@@ -96,10 +96,11 @@ class WalkShape:
     world: Int32
     bidx: Int32
     grid: Int32
+    kv_group: Int32 | int = 1  # query heads per K/V head (GQA); 1 unless the kernel takes separate K/V
 
     @staticmethod
-    def create(mQ: cute.Tensor, rank, world, bidx, grid) -> "WalkShape":
-        """From the TMA view of q, (S, d, H/P, b)."""
+    def create(mQ: cute.Tensor, rank, world, bidx, grid, mK: cute.Tensor | None = None) -> "WalkShape":
+        """From the TMA view of q, (S, d, H/P, b), and with separate K/V their view (S_kv, d, H_kv/P, b)."""
         seq = Int32(cute.size(mQ, mode=[0]))
         h_loc = Int32(cute.size(mQ, mode=[2]))
         batch = Int32(cute.size(mQ, mode=[3]))
@@ -107,14 +108,19 @@ class WalkShape:
         rows_per_rank = seq // world
         n_mb_per_rank = rows_per_rank // TILE_M
         n_tiles = n_mb_per_rank * world * h_loc * batch
-        return WalkShape(seq, h_loc, n_kv, n_mb_per_rank, n_tiles, rank, world, bidx, grid)
+        kv_group = 1
+        if mK is not None:
+            n_kv = Int32(cute.size(mK, mode=[0])) // TILE_N
+            kv_group = h_loc // Int32(cute.size(mK, mode=[2]))
+        return WalkShape(seq, h_loc, n_kv, n_mb_per_rank, n_tiles, rank, world, bidx, grid, kv_group)
 
 
 class FlashAttentionA2AForward(TailLaunchMixin):
     """``mode``: the epilogue (MODES). ``n_dst``: destination ranks (1 local; the world size fused).
     ``walk``: "all", or the split tail's "rounds" / "tail" launches. ``store``: "st" (burst) or "paced"
     (piggyback). ``relay``: the fused tail launch relays the rounds kernel's peer tiles. ``instrument``:
-    per-tile span records (compiled out otherwise)."""
+    per-tile span records (compiled out otherwise). ``separate_kv``: K/V of their own length and heads
+    (cross-attention, GQA). ``lse``: also write each row's softmax log-sum-exp (float32 (b, H, S))."""
 
     # register split: the producer warpgroup gives its registers to the two MMA warpgroups
     num_producer_regs = 24
@@ -122,7 +128,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     tail_barrier = NamedBarrierFwd.TailSplit
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", n_dst: int = 1,
-                 walk: str = "all", store: str = "st", relay: bool = False, instrument: bool = False):
+                 walk: str = "all", store: str = "st", relay: bool = False, instrument: bool = False,
+                 separate_kv: bool = False, lse: bool = False):
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise ValueError("dtype must be BFloat16 or Float16")
         if head_dim not in (64, 128):
@@ -144,8 +151,14 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         if relay and (walk != "tail" or mode != "piggyback" or n_dst < 2):
             raise ValueError("relay=True copies the rounds kernel's peer tiles on from the fused tail launch: use "
                              "it with walk='tail', mode='piggyback' and n_dst >= 2")
+        if lse and (mode != "local" or walk != "all"):
+            raise ValueError("lse=True writes the softmax log-sum-exp of the one-launch local kernel: use it with "
+                             "mode='local' and walk='all'")
         self.dtype, self.head_dim, self.mode, self.n_dst = dtype, head_dim, mode, n_dst
         self.walk, self.store, self.relay, self.instrument = walk, store, bool(relay), instrument
+        # separate_kv: K and V have a length and head count of their own (cross-attention, GQA/MQA): the KV loop
+        # runs over K's blocks and query head h reads K/V head h // (H_q / H_kv); off, they share q's shape
+        self.separate_kv, self.lse = bool(separate_kv), bool(lse)
         self.split = walk == "tail"  # the last round's tiles in KV chunks
         fused = mode != "local"
         self.flags_on = fused  # epoch advance and data flags
@@ -160,11 +173,13 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         d = self.head_dim
         b, s, h = cute.sym_int64(), cute.sym_int64(divisibility=TILE_M), cute.sym_int64()
 
-        def qkv():
-            return make_fake_tensor(self.dtype, (b, s, h, d), stride=(cute.sym_int64(divisibility=self.vec),
-                                                                       cute.sym_int64(divisibility=self.vec),
-                                                                       cute.sym_int64(divisibility=self.vec), 1),
+        def qkv(rows=s, heads=h):
+            return make_fake_tensor(self.dtype, (b, rows, heads, d), stride=(cute.sym_int64(divisibility=self.vec),
+                                                                             cute.sym_int64(divisibility=self.vec),
+                                                                             cute.sym_int64(divisibility=self.vec), 1),
                                     assumed_align=16)
+
+        kv = (cute.sym_int64(divisibility=TILE_N), cute.sym_int64()) if self.separate_kv else (s, h)
 
         i64 = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
         i64b = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
@@ -174,21 +189,24 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         split = (make_fake_tensor(Float32, (cute.sym_int64(),), stride=(1,), assumed_align=16),
                  make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4)) if self.split else (None, None)
         shadows = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8) if self.relay else None
-        return (qkv(), qkv(), qkv(), qkv(), i64, i64b, flags, epoch, counter, errors, spans,
-                Float32(1.0), Int32(0), Int32(1), Int32(1), Int64(1), *split, Int32(1), shadows)
+        lse = (make_fake_tensor(Float32, (b, h, s), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+               if self.lse else None)
+        return (qkv(), qkv(*kv), qkv(*kv), qkv(), i64, i64b, flags, epoch, counter, errors, spans,
+                Float32(1.0), Int32(0), Int32(1), Int32(1), Int64(1), *split, Int32(1), shadows, lse)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  dst_ptrs: cute.Tensor, flag_ptrs: cute.Tensor, flags: cute.Tensor, epoch: cute.Tensor,
                  counter: cute.Tensor, errors: cute.Tensor, spans: cute.Tensor, softmax_scale: Float32,
                  rank: Int32, world: Int32, grid: Int32, timeout_ns: Int64, split_workspace: cute.Tensor,
-                 split_counters: cute.Tensor, split_k: Int32, relay_shadows: cute.Tensor, stream: cuda.CUstream):
+                 split_counters: cute.Tensor, split_k: Int32, relay_shadows: cute.Tensor, mLSE: cute.Tensor,
+                 stream: cuda.CUstream):
         """``dst_ptrs``: the destinations' base addresses (Int64 [n_dst]: this rank's or each rank's symmetric
         (b, S/P, H, d) buffer, or the relay's local shadows). The split tail (walk "tail"): ``split_workspace``
         (float32, the chunks' partials), ``split_counters`` (Int32, one per split tile, zero between launches)
         and ``split_k`` (chunks per tile); ``relay_shadows`` (Int64 [n_dst], relay): the shadows to send on
-        (0 for this rank). Other walks pass None for them; every other argument keeps its place, so the
-        unsplit kernels' code does not depend on the split's."""
+        (0 for this rank). ``mLSE`` (lse=True): float32 (b, H, S). Other kernels pass None for them; every other
+        argument keeps its place, so the default kernels' code does not depend on these."""
         d = self.head_dim
         # (b, s, h, d) -> (s, d, h, b): TMA tiles over (rows, head dim) of one (head, batch).
         sel = [1, 3, 2, 0]
@@ -233,7 +251,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         self.kernel(gQ_tma, gK_tma, gV_tma, mO, dst_ptrs, flag_ptrs, flags, epoch, counter, errors, spans,
                     tma_q, tma_k, tma_v, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk,
                     tiled_mma_pv, tx_q, tx_kv, scale_log2, rank, world, timeout_ns, split_workspace, split_counters,
-                    split_k if const_expr(self.split) else None, relay_shadows, SharedStorage).launch(
+                    split_k if const_expr(self.split) else None, relay_shadows, mLSE, SharedStorage).launch(
             grid=(grid, 1, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1,
             use_pdl=self.walk == "tail")
 
@@ -246,7 +264,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                tx_q: cutlass.Constexpr, tx_kv: cutlass.Constexpr, scale_log2: Float32, rank: Int32,
-               world: Int32, timeout_ns: Int64, split_workspace, split_counters, split_k, relay_shadows,
+               world: Int32, timeout_ns: Int64, split_workspace, split_counters, split_k, relay_shadows, mLSE,
                SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -264,7 +282,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
 
-        shape = WalkShape.create(mQ, rank, world, bidx, grid)
+        shape = WalkShape.create(mQ, rank, world, bidx, grid, mK if const_expr(self.separate_kv) else None)
         protocol = FlagProtocol(flag_ptrs, flags, epoch, counter, errors, timeout_ns)
         pipes = (pipe_q, pipe_k, pipe_v)
 
@@ -278,7 +296,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(mO, dst_ptrs, protocol, spans, (sQ, sK, sV, sO), tiled_mma_qk, tiled_mma_pv, pipes, scale_log2,
-                     shape, tidx - WG_THREADS, (split_workspace, split_counters, split_k), relay_shadows, s_relay)
+                     shape, tidx - WG_THREADS, (split_workspace, split_counters, split_k), relay_shadows, s_relay, mLSE)
 
     def shared_storage_and_pipelines(self, SharedStorage, tx_q, tx_kv):
         """The CTA's shared storage (and the relay's pointer table), and the Q, K and V TMA pipelines: one Q
@@ -352,8 +370,11 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             m_block, h, bb, _ = order.coords(t)
             gQ = cute.local_tile(mQ[None, None, h, bb], (TILE_M, d), (m_block, 0))
             load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ, single_stage=True)
-            gK = cute.local_tile(mK[None, None, h, bb], (TILE_N, d), (None, 0))
-            gV = cute.local_tile(mV[None, None, h, bb], (TILE_N, d), (None, 0))
+            h_kv = h
+            if const_expr(self.separate_kv):
+                h_kv = h // shape.kv_group
+            gK = cute.local_tile(mK[None, None, h_kv, bb], (TILE_N, d), (None, 0))
+            gV = cute.local_tile(mV[None, None, h_kv, bb], (TILE_N, d), (None, 0))
             load_k, _, _ = copy_utils.tma_get_copy_fn(tma_k, 0, cute.make_layout(1), gK, sK)
             load_v, _, _ = copy_utils.tma_get_copy_fn(tma_v, 0, cute.make_layout(1), gV, sV)
             pipe_q.producer_acquire(q_state)
@@ -502,7 +523,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     # ---------------------------------------------------------------- MMA warpgroups: the walk
     @cute.jit
     def mma(self, mO, dst_ptrs, protocol: FlagProtocol, spans, smem, tiled_mma_qk, tiled_mma_pv, pipes, scale_log2,
-            shape: WalkShape, tidx, split_args, relay_shadows=None, s_relay=None):
+            shape: WalkShape, tidx, split_args, relay_shadows=None, s_relay=None, mLSE=None):
         """The two MMA warpgroups: per unit of the walk its Q-loop, then the epilogue of the warpgroup's 64 rows;
         at the end the paced store's last tile, the relay's remainder and the flags. ``split_args`` = (workspace,
         counters, k) of the split tail (None each otherwise)."""
@@ -571,6 +592,9 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             if const_expr(self.split):
                 store_tile = self.tail_partial(acc_o, softmax, split_args[:2], t - sched.full, chunk, split, sched.split_k,
                                                wg, tidx, sO)
+            elif const_expr(self.lse):
+                inv, row_lse = softmax.finalize_with_lse()
+                softmax.rescale(acc_o, inv)
             else:
                 softmax.rescale(acc_o, softmax.finalize())
             if store_tile != 0:  # a Python 1 (static) unless split
@@ -579,6 +603,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                 if const_expr(paced):
                     pend_addr = base.toint()
                     pend = Int32(1)
+                if const_expr(self.lse):
+                    self.store_lse(mLSE, row_lse, tiled_mma_pv, tidx, m_block, h, bb)
 
         if const_expr(self.relay):
             if r_done == 0:  # a CTA without a unit in the tail walk: its whole share now
@@ -594,6 +620,16 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                 cute.arch.griddepcontrol_wait()  # the rounds kernel is complete, its stores performed
             publish_done(protocol.flag_ptrs, protocol.counter, protocol.epoch, shape.rank, world, e_next,
                          Int32(shape.grid), Int32(shape.bidx), tidx)
+
+    @cute.jit
+    def store_lse(self, mLSE, row_lse, tiled_mma_pv, tidx, m_block, h, bb):
+        """lse=True: each quad's first thread writes its rows' log-sum-exp to mLSE[b, h, row] (the rows found
+        from the accumulator's own layout, as for O)."""
+        c_o = cute.make_identity_tensor((TILE_M, self.head_dim))
+        rows = layout_utils.reshape_acc_to_mn(tiled_mma_pv.get_slice(tidx).partition_C(c_o))
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(row_lse)):
+                mLSE[bb, h, m_block * TILE_M + rows[r, 0][0]] = row_lse[r]
 
     @cute.jit
     def epilogue(self, acc_o, staging, mO, dst_ptrs, spans, tile, wg, bar_id, tidx, shape: WalkShape, heads):

@@ -3,6 +3,7 @@
 Shared by the attention kernel's Q-loop and its split-tail combine; plain CuTe DSL, no kernel state."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import cutlass
@@ -10,6 +11,8 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 from quack import layout_utils
 from quack.cute_dsl_utils import ParamsBase
+
+LN2 = math.log(2.0)
 
 
 @cute.jit
@@ -83,6 +86,17 @@ class OnlineSoftmax(ParamsBase):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             inv[r] = cute.arch.rcp_approx(total)
         return inv
+
+    @cute.jit
+    def finalize_with_lse(self) -> tuple[cute.Tensor, cute.Tensor]:
+        """(1 / row sum, the row's natural log-sum-exp of the scaled logits: max·scale + ln(sum)), quad-reduced."""
+        inv = cute.make_fragment_like(self.row_sum, Float32)
+        lse = cute.make_fragment_like(self.row_sum, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            inv[r] = cute.arch.rcp_approx(total)
+            lse[r] = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+        return inv, lse
 
     @cute.jit
     def rescale(self, acc_o: cute.Tensor, row_scale: cute.Tensor, skip_unit: cutlass.Constexpr[bool] = False):

@@ -136,3 +136,48 @@ def test_spans_fill_one_row_per_tile_and_warpgroup(seeded):
     assert torch.equal(out, flash_attention(q, k, v, tail_split=False)), seeded
     sp = spans.cpu()
     assert (sp[:, 0] > 0).all() and (sp[:, 1] >= sp[:, 0]).all() and (sp[:, 2] > 0).all() and (sp[:, 3] >= sp[:, 2]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_shape,kv_shape", [((1, 2048, 8, 128), (1, 2048, 2, 128)),  # GQA
+                                              ((1, 1024, 6, 128), (1, 1024, 1, 128)),  # MQA
+                                              ((1, 8192, 4, 128), (1, 512, 4, 128)),  # cross: short prompt
+                                              ((2, 1024, 4, 64), (2, 4096, 2, 64)),  # cross + GQA, d = 64
+                                              ((1, 8192, 3, 128), (1, 1024, 3, 128))])  # split tail with cross
+def test_cross_attention_and_gqa_match_fp64(seeded, q_shape, kv_shape):
+    """K/V of their own length and heads: query head h attends K/V head h // (H / H_kv), against fp64 with the
+    K/V heads repeated; the output poisoned first."""
+    from flash_a2a.api import flash_attention
+
+    q = torch.randn(q_shape, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(kv_shape, device="cuda").to(torch.bfloat16) for _ in range(2))
+    out = torch.full_like(q, float("nan"))
+    flash_attention(q, k, v, out=out)
+    torch.cuda.synchronize()
+    group = q_shape[2] // kv_shape[2]
+    ref = reference_attention(q, k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2))
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) <= TOL, (seeded, q_shape, kv_shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,kv_shape", [((1, 2048, 4, 128), None), ((2, 1024, 3, 64), None),
+                                            ((1, 8192, 3, 128), None), ((1, 2048, 8, 128), (1, 512, 2, 128))])
+def test_return_lse_matches_fp64_logsumexp(seeded, shape, kv_shape):
+    """return_lse: float32 (b, H, S), the natural log-sum-exp of the scaled logits, within 1e-3 absolute of fp64;
+    the output within 1e-3 (relative) of the lse-free unsplit launch's (the same arithmetic; ptxas schedules the
+    two kernels apart) and of fp64 as every output is."""
+    from flash_a2a.api import flash_attention
+
+    q = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(kv_shape or shape, device="cuda").to(torch.bfloat16) for _ in range(2))
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    torch.cuda.synchronize()
+    assert lse.shape == (shape[0], shape[2], shape[1]) and lse.dtype == torch.float32
+    group = shape[2] // k.shape[2]
+    logits = (q.double().permute(0, 2, 1, 3) @ k.repeat_interleave(group, 2).double().permute(0, 2, 3, 1))
+    ref = torch.logsumexp(logits * shape[3] ** -0.5, dim=-1)
+    assert (lse.double() - ref).abs().max().item() <= 1e-3, seeded
+    assert rel_err(out, flash_attention(q, k, v, tail_split=False).double()) <= 1e-3, seeded
+    group_ref = reference_attention(q, k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2))
+    assert rel_err(out, group_ref) <= TOL, seeded

@@ -79,3 +79,19 @@ def test_one_rank_split_self_store_spans_and_graph(fused):
         torch.cuda.synchronize()
         fused.check()
         assert torch.equal(out, flash_attention(q, k, v, tail_split=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_shape,kv_shape", [((1, 2048, 8, 128), (1, 2048, 2, 128)),
+                                              ((1, 8192, 3, 128), (1, 1024, 3, 128))])
+def test_one_rank_fused_cross_and_gqa_equal_fa_only(fused, q_shape, kv_shape):
+    from flash_a2a import flash_attention
+
+    torch.manual_seed(SEED + 2)
+    q = torch.randn(q_shape, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(kv_shape, device="cuda").to(torch.bfloat16) for _ in range(2))
+    got = fused(q, k, v).clone()
+    torch.cuda.synchronize()
+    fused.check()
+    config = fused.decided[(*q_shape, torch.bfloat16)]
+    assert torch.equal(got, flash_attention(q, k, v, tail_split=config.tail_split)), config
