@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int64
 
@@ -60,6 +61,17 @@ class WarpgroupTileStore:
         elements apart."""
         g_dst = cute.make_tensor(base, cute.make_layout((self.rows, self.head_dim), stride=(row_stride, 1)))
         cute.copy(self.tiled_copy, self.regs, self.thr_copy.partition_D(g_dst))
+
+    @cute.jit
+    def burst_rows(self, base, row_stride, valid_rows):
+        """``burst`` for a partial tile: only the tile's first ``valid_rows`` rows are stored (the rest of the
+        destination is another tensor's, or past its end)."""
+        g_dst = cute.make_tensor(base, cute.make_layout((self.rows, self.head_dim), stride=(row_stride, 1)))
+        dst = self.thr_copy.partition_D(g_dst)
+        coords = self.thr_copy.partition_D(cute.make_identity_tensor((self.rows, self.head_dim)))
+        for c in cutlass.range_constexpr(self.chunks):
+            if coords[0, c, 0][0] < valid_rows:
+                cute.copy(self.tiled_copy, self.regs[None, c, None], dst[None, c, None])
 
     @cute.jit
     def chunk(self, addr: Int64, row_stride, c):

@@ -69,7 +69,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world: int = 1)
 
 def check_shapes(q_shape: tuple, k_shape: tuple, v_shape: tuple, world: int = 1) -> None:
     """ValueError naming the fix unless q (b, S, H, d) and k, v (b, S_kv, H_kv, d) are shapes the kernel takes:
-    H a multiple of H_kv, d 64 or 128, S a multiple of world x 128 rows, S_kv a multiple of 128."""
+    H a multiple of H_kv, d 64 or 128, S and S_kv >= 1 (any length on one rank's walk; the fused tile orders,
+    ``world`` > 1, need S a multiple of world x 128 rows)."""
     b, s, h, d = q_shape
     if k_shape != v_shape or k_shape[0] != b or k_shape[3] != d:
         raise ValueError(f"k and v must share one shape (b, S_kv, H_kv, d) with q's batch and head_dim, got q "
@@ -79,11 +80,12 @@ def check_shapes(q_shape: tuple, k_shape: tuple, v_shape: tuple, world: int = 1)
         raise ValueError(f"q's {h} heads must be a multiple of k/v's {h_kv} (GQA/MQA: H_q divisible by H_kv)")
     if d not in (64, 128):
         raise ValueError(f"head_dim must be 64 or 128, got {d}")
-    if s % (world * TILE_M):
-        raise ValueError(f"sequence length {s} must be a multiple of {world * TILE_M} "
-                         f"({world} rank(s) x {TILE_M}-row tiles); pad the sequence")
-    if s_kv % TILE_N or s_kv == 0:
-        raise ValueError(f"the key/value length {s_kv} must be a positive multiple of {TILE_N}")
+    if s < 1 or s_kv < 1:
+        raise ValueError(f"sequence lengths must be positive, got S={s}, S_kv={s_kv}")
+    if world > 1 and s % (world * TILE_M):
+        raise ValueError(f"sequence length {s}: the fused kernel's tile order for {world} ranks needs a multiple of "
+                         f"{world * TILE_M} ({world} ranks x {TILE_M}-row tiles) for now; flash_attention alone "
+                         "takes any length")
 
 
 def check_spans(spans, n_tiles: int, device, grid: int = 0) -> None:
@@ -164,12 +166,13 @@ def _split_buffers(device, config: AttentionConfig) -> SplitTailBuffers:
 
 def _kernels_of(config: AttentionConfig, dtype, head_dim: int, mode: str, n_dst: int, instrument: bool,
                 split: SplitTailBuffers | None, dst_ptrs, relay_ptrs=None, separate_kv: bool = False,
-                lse: bool = False) -> list[tuple]:
+                lse: bool = False, masked: bool = False) -> list[tuple]:
     """The config's kernels in launch order, each with its arguments beyond the shared ones: (compiled kernel,
     destinations, (split workspace, counters, k), relay shadows). With a split the whole rounds go first (to
     ``dst_ptrs``, or with the relay to the local shadows), then the chunks; ``relay_ptrs`` =
     (the real destinations, the rounds kernel's table, the shadows to send on). ``separate_kv``: k/v of
-    another shape than q (cross-attention, GQA); ``lse``: the kernel writes the log-sum-exp too."""
+    another shape than q (cross-attention, GQA); ``lse``: the kernel writes the log-sum-exp too; ``masked``:
+    a length that is not a multiple of the tiles."""
     kernels = []
     for launch in config.launches():
         ptrs, work, shadows = dst_ptrs, (None, None, 1), None
@@ -179,7 +182,8 @@ def _kernels_of(config: AttentionConfig, dtype, head_dim: int, mode: str, n_dst:
             work = (split.workspace, split.counters, split.k)
             if config.relay:
                 ptrs, shadows = relay_ptrs[0], relay_ptrs[2]
-        variant = {**launch, **({"separate_kv": True} if separate_kv else {}), **({"lse": True} if lse else {})}
+        flags = {"separate_kv": separate_kv, "lse": lse, "masked": masked}
+        variant = {**launch, **{name: True for name, on in flags.items() if on}}
         kernels.append((_kernel(dtype, head_dim, mode, n_dst, instrument, **variant), ptrs, work, shadows))
     return kernels
 
@@ -209,18 +213,20 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, tail_spli
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError("out must be a contiguous tensor of q's shape and dtype")
-    n_tiles = (s // TILE_M) * h * b
+    n_tiles = -(-s // TILE_M) * h * b
+    masked = bool(s % TILE_M or k.shape[1] % TILE_N)  # a partial last Q tile or KV block
     check_spans(spans, n_tiles, q.device)
     grid = _grid(n_tiles, q.device)
-    config = resolve_config("local", n_tiles, grid, k.shape[1] // TILE_N, 1, head_dim=d, instrument=spans is not None,
-                            lse=bool(return_lse), tail_split=tail_split)
+    config = resolve_config("local", n_tiles, grid, -(-k.shape[1] // TILE_N), 1, head_dim=d,
+                            instrument=spans is not None, lse=bool(return_lse), masked=masked, tail_split=tail_split)
     la = _local_args(q.device)
     split = _split_buffers(q.device, config) if config.tail_split else None
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device) if return_lse else None
     head = (la.flag_ptrs, la.flags, la.epoch, la.counter, la.errors, spans if spans is not None else la.spans)
     tail = (_scale(softmax_scale, d), tile_order_rank, tile_order_world, grid, DEFAULT_TIMEOUT_NS)
     for fn, ptrs, work, shadows in _kernels_of(config, q.dtype, d, "local", 1, spans is not None, split,
-                                               la.dst_ptrs, separate_kv=k.shape != q.shape, lse=lse is not None):
+                                               la.dst_ptrs, separate_kv=k.shape != q.shape, lse=lse is not None,
+                                               masked=masked):
         fn(q, k, v, out, ptrs, *head, *tail, *work, shadows, lse)
     return (out, lse) if return_lse else out
 

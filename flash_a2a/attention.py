@@ -97,22 +97,26 @@ class WalkShape:
     bidx: Int32
     grid: Int32
     kv_group: Int32 | int = 1  # query heads per K/V head (GQA); 1 unless the kernel takes separate K/V
+    kv_len: Int32 | None = None  # S_kv, with separate K/V
 
     @staticmethod
-    def create(mQ: cute.Tensor, rank, world, bidx, grid, mK: cute.Tensor | None = None) -> "WalkShape":
-        """From the TMA view of q, (S, d, H/P, b), and with separate K/V their view (S_kv, d, H_kv/P, b)."""
+    def create(mQ: cute.Tensor, rank, world, bidx, grid, mK: cute.Tensor | None = None,
+               masked: bool = False) -> "WalkShape":
+        """From the TMA view of q, (S, d, H/P, b), and with separate K/V their view (S_kv, d, H_kv/P, b).
+        ``masked``: the lengths need not be multiples of the tiles (the last tile and block are partial)."""
         seq = Int32(cute.size(mQ, mode=[0]))
         h_loc = Int32(cute.size(mQ, mode=[2]))
         batch = Int32(cute.size(mQ, mode=[3]))
-        n_kv = seq // TILE_N
+        n_kv = (seq + (TILE_N - 1 if masked else 0)) // TILE_N
         rows_per_rank = seq // world
-        n_mb_per_rank = rows_per_rank // TILE_M
+        n_mb_per_rank = (rows_per_rank + (TILE_M - 1 if masked else 0)) // TILE_M
         n_tiles = n_mb_per_rank * world * h_loc * batch
-        kv_group = 1
+        kv_group, kv_len = 1, None
         if mK is not None:
-            n_kv = Int32(cute.size(mK, mode=[0])) // TILE_N
+            kv_len = Int32(cute.size(mK, mode=[0]))
+            n_kv = (kv_len + (TILE_N - 1 if masked else 0)) // TILE_N
             kv_group = h_loc // Int32(cute.size(mK, mode=[2]))
-        return WalkShape(seq, h_loc, n_kv, n_mb_per_rank, n_tiles, rank, world, bidx, grid, kv_group)
+        return WalkShape(seq, h_loc, n_kv, n_mb_per_rank, n_tiles, rank, world, bidx, grid, kv_group, kv_len)
 
 
 class FlashAttentionA2AForward(TailLaunchMixin):
@@ -120,7 +124,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     ``walk``: "all", or the split tail's "rounds" / "tail" launches. ``store``: "st" (burst) or "paced"
     (piggyback). ``relay``: the fused tail launch relays the rounds kernel's peer tiles. ``instrument``:
     per-tile span records (compiled out otherwise). ``separate_kv``: K/V of their own length and heads
-    (cross-attention, GQA). ``lse``: also write each row's softmax log-sum-exp (float32 (b, H, S))."""
+    (cross-attention, GQA). ``lse``: also write each row's softmax log-sum-exp (float32 (b, H, S)). ``masked``:
+    lengths that are not a multiple of 128 (the last Q tile and KV block partial)."""
 
     # register split: the producer warpgroup gives its registers to the two MMA warpgroups
     num_producer_regs = 24
@@ -129,7 +134,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", n_dst: int = 1,
                  walk: str = "all", store: str = "st", relay: bool = False, instrument: bool = False,
-                 separate_kv: bool = False, lse: bool = False):
+                 separate_kv: bool = False, lse: bool = False, masked: bool = False):
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise ValueError("dtype must be BFloat16 or Float16")
         if head_dim not in (64, 128):
@@ -159,6 +164,13 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         # separate_kv: K and V have a length and head count of their own (cross-attention, GQA/MQA): the KV loop
         # runs over K's blocks and query head h reads K/V head h // (H_q / H_kv); off, they share q's shape
         self.separate_kv, self.lse = bool(separate_kv), bool(lse)
+        # masked: any sequence length; the last Q tile's rows past S are not stored, the last KV block's columns
+        # past S_kv are masked out of the softmax (no padding of the user's tensors: TMA zero-fills the loads).
+        # The one-launch local kernel only, for now.
+        if masked and (mode != "local" or walk != "all"):
+            raise ValueError("masked=True (a length that is not a multiple of 128) is built for the one-launch local "
+                             "kernel: use mode='local' and walk='all'")
+        self.masked = bool(masked)
         self.split = walk == "tail"  # the last round's tiles in KV chunks
         fused = mode != "local"
         self.flags_on = fused  # epoch advance and data flags
@@ -171,7 +183,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     # ---------------------------------------------------------------- host
     def fake_args(self):
         d = self.head_dim
-        b, s, h = cute.sym_int64(), cute.sym_int64(divisibility=TILE_M), cute.sym_int64()
+        b, s, h = cute.sym_int64(), cute.sym_int64(divisibility=1 if self.masked else TILE_M), cute.sym_int64()
 
         def qkv(rows=s, heads=h):
             return make_fake_tensor(self.dtype, (b, rows, heads, d), stride=(cute.sym_int64(divisibility=self.vec),
@@ -179,7 +191,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                                                                              cute.sym_int64(divisibility=self.vec), 1),
                                     assumed_align=16)
 
-        kv = (cute.sym_int64(divisibility=TILE_N), cute.sym_int64()) if self.separate_kv else (s, h)
+        kv = ((cute.sym_int64(divisibility=1 if self.masked else TILE_N), cute.sym_int64()) if self.separate_kv
+              else (s, h))
 
         i64 = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
         i64b = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
@@ -282,7 +295,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
 
-        shape = WalkShape.create(mQ, rank, world, bidx, grid, mK if const_expr(self.separate_kv) else None)
+        shape = WalkShape.create(mQ, rank, world, bidx, grid, mK if const_expr(self.separate_kv) else None,
+                                 self.masked)
         protocol = FlagProtocol(flag_ptrs, flags, epoch, counter, errors, timeout_ns)
         pipes = (pipe_q, pipe_k, pipe_v)
 
@@ -416,11 +430,13 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     @cute.jit
     def overlapped_block(self, softmax: OnlineSoftmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
                          tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg, drip=None, block=None,
-                         n_groups=None, relay=None, relay_end=None):
+                         n_groups=None, relay=None, relay_end=None, kv_mask=None):
         """One KV block n >= 1 of the Q-loop: S = Q Kₙᵀ issued with block n-1's O += P V.
         ``drip`` (store="paced"): on every PACE_KV-th ``block`` (counted from 0) of the first n_groups·PACE_KV,
         also store the next vector of the previous tile's rows from sO. ``relay``: on every RELAY_PACE_KV-th
-        ``block`` from RELAY_START_KV below ``relay_end``, the next relay event."""
+        ``block`` from RELAY_START_KV below ``relay_end``, the next relay event. ``kv_mask`` (masked): (this
+        thread's S coordinates, the last block's index among the loop's, its valid columns): in that block the
+        other columns leave the softmax."""
         other = 1 - wg
         kv_v = kv_state.clone()
         kv_state.advance()
@@ -444,6 +460,9 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                 if (block - RELAY_START_KV) % RELAY_PACE_KV == 0:
                     self.relay_event((block - RELAY_START_KV) // RELAY_PACE_KV, relay)
         warpgroup.wait_group(1)  # S ready; PV may still run
+        if const_expr(kv_mask is not None):
+            if block == kv_mask[1]:
+                self.mask_columns(acc_s, kv_mask[0], kv_mask[2])
         row_scale = softmax.update(acc_s, False, RESCALE_THRESHOLD)
         # ptxas sinks the exponentials below the PV wait (they are consumed after it), which takes the softmax
         # off this warpgroup's own PV GEMM. Releasing K under a predicate that reads the pinned exponentials
@@ -461,14 +480,16 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     @cute.jit
     def q_loop(self, softmax: OnlineSoftmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_q,
                q_state, pipe_k, pipe_v, kv_state, n_kv, wg, drip=None, n_groups=None, n_pending=None, relay=None,
-               n_relay=None):
+               n_relay=None, kv_mask=None):
         """The whole Q-loop of one tile (or chunk) with intra-warpgroup overlap and warpgroup ping-pong.
 
         Block n's S = Q Kₙᵀ is issued together with block n-1's O += P V; softmax of block n runs while the
         PV GEMM drains, and the other warpgroup's GEMMs run under this warpgroup's softmax. store="paced":
         ``drip`` = (the warpgroup's tile store, the previous tile's destination address, heads), whose vectors
         [0, n_groups) go out in the loop and [n_groups, n_pending) after it. relay: ``relay`` (the relay_event
-        state), whose events [0, n_relay) run in the loop."""
+        state), whose events [0, n_relay) run in the loop. ``kv_mask`` (masked): (this thread's S coordinates,
+        the last KV block's valid columns), applied under a uniform branch in the loop (peeled into a block of
+        its own, ptxas kept 46/49 of 66 exponentials ahead of the PV wait against the branch's 47)."""
         other = 1 - wg
         # first block: S only (ping-ponged too: measured faster than leaving it free, as FA3/FA4 do)
         pipe_k.consumer_wait(kv_state)
@@ -479,6 +500,9 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                                  number_of_threads=2 * WG_THREADS)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(kv_state)
+        if const_expr(kv_mask is not None):
+            if n_kv == 1:  # one KV block, partial
+                self.mask_columns(acc_s0, kv_mask[0], kv_mask[1])
         softmax.update(acc_s0, True)
         tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s0).load().to(self.dtype))
         acc_o.fill(0.0)
@@ -500,6 +524,12 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                 kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
                                                  tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg,
                                                  block=i, relay=relay, relay_end=relay_end)
+        elif const_expr(kv_mask is not None):
+            last = (kv_mask[0], n_kv - 2, kv_mask[1])  # the loop's block i is KV block i + 1
+            for i in cutlass.range(n_kv - 1, unroll=1):
+                kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
+                                                 tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg, block=i,
+                                                 kv_mask=last)
         else:
             for _ in cutlass.range(n_kv - 1, unroll=1):
                 kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
@@ -513,6 +543,16 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         pipe_v.consumer_release(kv_state)
         kv_state.advance()
         return kv_state
+
+    @cute.jit
+    def mask_columns(self, acc_s, coords_mn, valid):
+        """S entries of columns >= ``valid`` (of this KV block) to -inf, so they take no softmax mass (TMA
+        zero-filled their K rows: unmasked they would score 0)."""
+        s_mn = layout_utils.reshape_acc_to_mn(acc_s)
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                if coords_mn[r, c][1] >= valid:
+                    s_mn[r, c] = -Float32.inf
 
     def store_chunk(self, drip, c):
         """store="paced": vector ``c`` of this thread's share of the previous tile's staged rows to its
@@ -557,6 +597,14 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
         sched, order = self.walk_policies(shape, split_args[2])
+        kv_mask = None
+        if const_expr(self.masked):  # this thread's S coordinates, and the last KV block's valid columns
+            kv_len = shape.seq
+            if const_expr(self.separate_kv):
+                kv_len = shape.kv_len
+            coords = layout_utils.reshape_acc_to_mn(
+                tiled_mma_qk.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
+            kv_mask = (coords, kv_len - (n_kv - 1) * TILE_N)
         if const_expr(self.relay):
             relay = self.relay_state(dst_ptrs, relay_shadows, s_relay, shape, tidx)
             r_steps = relay[1]
@@ -581,7 +629,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                                        q_state, pipe_k, pipe_v, kv_state, n_this, wg, relay=relay, n_relay=n_relay)
             else:
                 kv_state = self.q_loop(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_q,
-                                       q_state, pipe_k, pipe_v, kv_state, n_this, wg)
+                                       q_state, pipe_k, pipe_v, kv_state, n_this, wg, kv_mask=kv_mask)
             q_state.advance()
             if const_expr(self.relay):
                 if r_done == 0:  # what the first Q-loop had too few blocks for
@@ -629,7 +677,12 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         rows = layout_utils.reshape_acc_to_mn(tiled_mma_pv.get_slice(tidx).partition_C(c_o))
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(row_lse)):
-                mLSE[bb, h, m_block * TILE_M + rows[r, 0][0]] = row_lse[r]
+                row = m_block * TILE_M + rows[r, 0][0]
+                if const_expr(self.masked):
+                    if row < cute.size(mLSE, mode=[2]):
+                        mLSE[bb, h, row] = row_lse[r]
+                else:
+                    mLSE[bb, h, row] = row_lse[r]
 
     @cute.jit
     def epilogue(self, acc_o, staging, mO, dst_ptrs, spans, tile, wg, bar_id, tidx, shape: WalkShape, heads):
@@ -681,7 +734,10 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             row_stride = cute.assume(heads * d, divby=d)
         gt0, ck0 = timers.now()
         if const_expr(self.store == "st"):
-            tile_store.burst(base, row_stride)
+            if const_expr(self.masked):  # the last tile's rows past S stay unwritten
+                tile_store.burst_rows(base, row_stride, shape.seq - m_block * TILE_M - wg * 64)
+            else:
+                tile_store.burst(base, row_stride)
             if const_expr(self.mode == "completion_coupled"):
                 cute.arch.fence_acq_rel_sys()  # returns once this thread's stores are performed remotely
         if const_expr(self.instrument):

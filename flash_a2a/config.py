@@ -151,7 +151,8 @@ def _option(name: str, value):
 
 
 def resolve_config(mode: str, n_tiles: int, grid: int, n_kv: int, world: int = 1, *, head_dim: int = 128,
-                   instrument: bool = False, lse: bool = False, relay_vectors: int = 0, tail_split="auto",
+                   instrument: bool = False, lse: bool = False, masked: bool = False, relay_vectors: int = 0,
+                   tail_split="auto",
                    store="auto", relay="auto") -> AttentionConfig:
     """The launch plan of one shape: ``mode`` ("local" for FA-only, or a fused mode), its walk (``n_tiles``,
     ``grid``, ``n_kv``), ``world`` (the fused kernel's destination ranks; 1 for FA-only, whatever tile order it
@@ -160,8 +161,8 @@ def resolve_config(mode: str, n_tiles: int, grid: int, n_kv: int, world: int = 1
     - tail_split "auto": the split where it pays (``tail_launch_pays``: a tail the fused walk keeps local, saving
       more than the second launch costs); True: wherever some k shortens the tail (ValueError where the tail is
       not all local); both fall back to one launch with nothing to split. The split kernel is built for
-      head_dim 128 without instrumentation or the log-sum-exp (``lse``): "auto" does not split there, True is
-      refused.
+      head_dim 128 without instrumentation, the log-sum-exp (``lse``) or partial tiles (``masked``): "auto"
+      does not split there, True is refused.
     - store "auto": "paced" for piggyback where ``paced_store_pays``, else "st"; "paced" needs piggyback.
     - relay "auto": where ``relay_pays`` (piggyback, burst store, a one-round rounds kernel); True needs
       piggyback, world >= 2 and a split."""
@@ -173,12 +174,12 @@ def resolve_config(mode: str, n_tiles: int, grid: int, n_kv: int, world: int = 1
     split = False
     if tail_split is not False:
         plan = launch_split(n_tiles, grid, n_kv, world)
-        takes = head_dim == 128 and not instrument and not lse
+        takes = head_dim == 128 and not (instrument or lse or masked)
         if tail_split is True:
             if not takes:
                 raise ValueError("tail_split=True: the split tail kernel is built for head_dim=128 without "
-                                 "instrumentation (spans) or the log-sum-exp (return_lse); pass tail_split=False "
-                                 "or 'auto'")
+                                 "instrumentation (spans), the log-sum-exp (return_lse) or a length that is not a "
+                                 "multiple of 128; pass tail_split=False or 'auto'")
             if plan is not None and not plan[2]:
                 raise ValueError(f"tail_split=True: the last round of {plan[0]} tiles is not all local at world "
                                  f"size {world} (the tail launch stores locally); pass tail_split='auto'")

@@ -24,10 +24,12 @@ def check_ulysses_shapes(seq_len: int, heads: int, world: int, tile_m: int = 1) 
         raise ValueError(f"head count {heads} is not divisible by the world size {world}: "
                          f"use a multiple of {world} heads or a group of a size dividing {heads}")
     if seq_len % world:
-        raise ValueError(f"sequence length {seq_len} is not divisible by the world size {world}: pad it")
+        raise ValueError(f"sequence length {seq_len} is not divisible by the world size {world}: Ulysses splits the "
+                         f"sequence evenly over the ranks; use a length divisible by {world}")
     if (seq_len // world) % tile_m:
-        raise ValueError(f"S/P = {seq_len // world} rows per rank must be a multiple of the {tile_m}-row tile: "
-                         f"pad the sequence to a multiple of {world * tile_m}")
+        raise ValueError(f"S/P = {seq_len // world} rows per rank must be a multiple of the {tile_m}-row tile for "
+                         f"the fused kernel for now (a multiple of {world * tile_m} tokens); flash_attention alone "
+                         "takes any length (padding keys would give them softmax mass)")
 
 
 def destination(row: int, local_head: int, rank: int, seq_len: int, heads: int, world: int):

@@ -237,37 +237,44 @@ def test_bad_input_rejected_before_launch():
 
 @pytest.mark.parametrize("knobs", [{"separate_kv": True}, {"separate_kv": True, "mode": "piggyback", "n_dst": 2},
                                    {"separate_kv": True, "walk": "rounds"}, {"lse": True},
-                                   {"lse": True, "separate_kv": True}])
+                                   {"lse": True, "separate_kv": True}, {"masked": True},
+                                   {"masked": True, "separate_kv": True, "lse": True}])
 def test_cross_attention_gqa_and_lse_keep_the_kv_loop(tmp_path, knobs):
     """separate_kv (K/V of their own length and heads: cross-attention, GQA/MQA) changes the K/V head and the
     KV-block count only, outside the KV loop: its softmax window stays the default's. lse=True adds two log2 per
     thread after the loop, and ptxas then keeps 47 of 66 exponentials ahead of the PV wait (the default 52:
-    reading the row max after the loop is what moves it; the cost is measured on the GPU, README). WGMMA, no
-    spills."""
+    reading the row max after the loop is what moves it); so does masked=True (any length: the last KV block's
+    mask under a branch in the loop). WGMMA, no spills."""
     c = _compile(tmp_path / "v", **{"head_dim": 128, "mode": "local", **knobs})
     assert c.ptx_count(WGMMA) >= 16
     assert c.ptx_count(r"lg2\.approx") == (2 if knobs.get("lse") else 0), "one log2 per row of the thread"
-    assert _window(_sass(c)) == ([(47, 66)] if knobs.get("lse") else [(52, 66)])
+    assert _window(_sass(c)) == ([(47, 66)] if knobs.get("lse") or knobs.get("masked") else [(52, 66)])
     _no_spills(c)
 
 
-def test_lse_needs_the_local_one_launch_kernel():
+def test_lse_and_masked_need_the_local_one_launch_kernel():
     from flash_a2a.attention import FlashAttentionA2AForward
 
     for bad in ({"mode": "piggyback", "n_dst": 2}, {"walk": "rounds"}, {"walk": "tail"}):
         with pytest.raises(ValueError, match="lse"):
             FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", "lse": True, **bad})
+        with pytest.raises(ValueError, match="masked"):
+            FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", "masked": True, **bad})
 
 
 @pytest.mark.parametrize("q_shape,kv_shape,match", [
     ((1, 256, 4, 128), (1, 256, 3, 128), "multiple of k/v's 3"),
     ((1, 256, 4, 128), (2, 256, 4, 128), "share one shape"),
-    ((1, 256, 4, 128), (1, 200, 4, 128), "key/value length 200"),
+    ((1, 256, 4, 128), (1, 0, 4, 128), "positive"),
     ((1, 256, 4, 64), (1, 256, 4, 128), "share one shape"),
-    ((1, 200, 4, 128), (1, 256, 4, 128), "sequence length 200")])
+    ((1, 200, 4, 96), (1, 200, 4, 96), "head_dim must be 64 or 128")])
 def test_cross_and_grouped_shapes_are_checked_before_launch(q_shape, kv_shape, match):
     from flash_a2a.api import check_shapes
 
     with pytest.raises(ValueError, match=match):
         check_shapes(q_shape, kv_shape, kv_shape)
-    check_shapes((1, 256, 4, 128), (1, 512, 2, 128), (1, 512, 2, 128))  # cross-attention with GQA: accepted
+    for q_s, kv_s in (((1, 256, 4, 128), (1, 512, 2, 128)), ((1, 1, 4, 128), (1, 1, 4, 128)),
+                      ((1, 32760, 12, 64), (1, 77, 12, 64))):  # cross with GQA; any length on one rank
+        check_shapes(q_s, kv_s, kv_s)
+    with pytest.raises(ValueError, match="fused kernel's tile order for 2 ranks"):
+        check_shapes((1, 200, 4, 128), (1, 200, 4, 128), (1, 200, 4, 128), world=2)

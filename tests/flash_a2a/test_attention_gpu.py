@@ -181,3 +181,36 @@ def test_return_lse_matches_fp64_logsumexp(seeded, shape, kv_shape):
     assert rel_err(out, flash_attention(q, k, v, tail_split=False).double()) <= 1e-3, seeded
     group_ref = reference_attention(q, k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2))
     assert rel_err(out, group_ref) <= TOL, seeded
+
+
+def _reference_chunked(q, k, v, rows: int = 4096):
+    """reference_attention over query rows in chunks (long sequences: the fp64 logits of all rows do not fit)."""
+    return torch.cat([reference_attention(q[:, i:i + rows], k, v) for i in range(0, q.shape[1], rows)], dim=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s,s_kv,h,d", [(1, 1, 2, 128), (127, 127, 3, 128), (129, 129, 2, 64), (1000, 1000, 4, 128),
+                                        (4095, 4095, 2, 64), (32760, 32760, 1, 64), (1000, 77, 4, 128),
+                                        (130, 4100, 2, 128), (8192, 300, 3, 64)])
+def test_any_sequence_length_matches_fp64(seeded, s, s_kv, h, d):
+    """Lengths that are not multiples of 128 (the last Q tile's rows past S are not stored, the last KV block's
+    columns past S_kv take no softmax mass), self- and cross-attention, with the LSE too: against fp64. The
+    output is a view into a larger poisoned buffer, whose rows past S must stay poisoned."""
+    from flash_a2a.api import flash_attention
+
+    q = torch.randn(1, s, h, d, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(1, s_kv, h, d, device="cuda").to(torch.bfloat16) for _ in range(2))
+    big = torch.full((1, s + 256, h, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = big[:, :s]
+    _, lse = flash_attention(q, k, v, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.isnan(big[:, s:]).all(), "rows past S were written"
+    assert not torch.isnan(out).any(), "unwritten output rows"
+    assert rel_err(out, _reference_chunked(q, k, v)) <= TOL, (seeded, s, s_kv)
+    logits_max = max(int(1e8 // (s_kv * h)), 1)
+    rows = slice(0, min(s, logits_max))
+    ref_lse = torch.logsumexp((q[:, rows].double().permute(0, 2, 1, 3) @ k.double().permute(0, 2, 3, 1)) * d ** -0.5,
+                              dim=-1)
+    assert (lse[:, :, rows].double() - ref_lse).abs().max().item() <= 1e-3, seeded
+    plain = flash_attention(q, k, v)  # without the LSE: the same arithmetic
+    assert rel_err(plain, out.double()) <= 1e-3
