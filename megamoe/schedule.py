@@ -1,0 +1,441 @@
+"""MegaMoE tile schedules in plain Python: the expert-wave order, the interleaved order of Algorithm 1, their
+dependencies, and the anti-starvation lead D_knee (xstage-paper sections 2.2, 4.2 and 5.2).
+
+This module is the single source of truth for the order in which a persistent MegaMoE grid walks its tiles;
+the kernel consumes these streams or mirrors :func:`interleaved_scheduler` / :func:`expert_wave_order` (a
+test then proves equality). The time-resolved replay against the Burst-Gap model is ``megamoe.simulate``.
+
+One rank's work (:class:`RankWork`): the local experts e, each with n_e routed token rows (n_e >= 0, any
+value). Expert e has ceil(n_e / BLOCK_M) M blocks; the paper calls each (expert, M block) a scheduler *row*,
+numbered expert by expert: O_e is expert e's first row, e(p) the expert of row p, P the number of rows.
+A tile is (kind, expert, m_block, n_block):
+  * L1 (Linear-1, gate and up fused): N = 2 * intermediate, K = hidden;
+  * L2 (Linear-2): N = hidden, K = intermediate. An L2 tile reads the whole intermediate row, so it depends
+    on every L1 N block of its row.
+
+Symbols of Algorithm 1 (named in the code as in the paper):
+  G     number of scheduler instances (CTA pairs) and the cursor stride; the grid has 2G CTAs, CTA c = 2g + r
+  g     instance id, 0 <= g < G;  r in {0, 1}: the CTA's role in its pair
+  P     rows per stream (all rows of the rank);  P_i: N-block pairs per row of L_i, ceil(n_blocks_i / 2)
+  k_i   pair cursor of L_i;  p_i = floor(k_i / P_i): its row (p_1 = +inf once L1 is done)
+  D     minimum row lead of L1 over L2: L2 of row p_2 is emitted only when p_2 + D <= p_1
+Eq. 16: D_knee = b_n * K_SM / (2 * h_inter) rows. It is G / P_1 with G = K_SM / 2 and P_1 = h_inter / b_n:
+the rows one stride of all instances' L1 cursors spans, i.e. the cross-SM phase skew of L1 readiness.
+Eq. 12-15 (the gap, the issue overhead, the rate test and the per-tile stall) are evaluated by
+``megamoe.simulate`` through ``calibrate.model``.
+
+Dependencies (checked statically by :func:`check_schedule`, in time by ``megamoe.simulate.verify_trace``):
+  * L2 (e, m, n) starts only after all L1 N blocks of row (e, m) are complete;
+  * L1 of row p starts only after its dispatched tokens are ready and its ring slot is free. The ring holds
+    ``ring_slots`` rows of dispatched tokens (and their L1 output); row p uses slot p mod ring_slots, which
+    is free once every L2 tile of row p - ring_slots (the slot's previous occupant) is done.
+    ``ring_slots=None`` is a pool with a slot for every row (no ring backpressure).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
+
+from calibrate import model
+
+BLOCK_M = 128
+BLOCK_N = 128
+BLOCK_K = 128
+L1 = "L1"
+L2 = "L2"
+KINDS = (L1, L2)
+BF16_BYTES = 2
+
+# The wave-size heuristic's default: a wave's expected L1 tiles fill the grid at least this many rounds.
+WAVE_FILL_ROUNDS = 2
+
+
+class ScheduleError(ValueError):
+    """A shape, a token count or a tile stream is invalid: a missing, repeated or foreign tile, or an order
+    that deadlocks whatever the timing (a cycle of program order and dependencies)."""
+
+
+class Tile(NamedTuple):
+    """One output tile: kind (L1 | L2), local expert, M block within the expert, N block."""
+
+    kind: str
+    expert: int
+    m_block: int
+    n_block: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}(e={self.expert},m={self.m_block},n={self.n_block})"
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The layer's GEMM shapes and tile sizes; hidden is L2's N and L1's K, 2*intermediate is L1's N."""
+
+    hidden: int
+    intermediate: int
+    block_m: int = BLOCK_M
+    block_n: int = BLOCK_N
+    block_k: int = BLOCK_K
+
+    def __post_init__(self):
+        for name in ("hidden", "intermediate", "block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
+        for name, value, tile in (("hidden", self.hidden, self.block_n), ("2*intermediate", 2 * self.intermediate,
+                                  self.block_n), ("hidden", self.hidden, self.block_k),
+                                  ("intermediate", self.intermediate, self.block_k)):
+            if value % tile:
+                raise ScheduleError(f"{name} = {value} is not a multiple of the tile size {tile}")
+
+    @property
+    def l1_n_blocks(self) -> int:
+        return 2 * self.intermediate // self.block_n
+
+    @property
+    def l2_n_blocks(self) -> int:
+        return self.hidden // self.block_n
+
+    @property
+    def l1_k_blocks(self) -> int:
+        return self.hidden // self.block_k
+
+    @property
+    def l2_k_blocks(self) -> int:
+        return self.intermediate // self.block_k
+
+    def n_blocks(self, kind: str) -> int:
+        return self.l1_n_blocks if kind == L1 else self.l2_n_blocks
+
+    def pairs_per_row(self, kind: str) -> int:
+        """Algorithm 1's P_i: N-block pairs per row; an odd N-block count leaves role r = 1 idle on the last pair."""
+        return -(-self.n_blocks(kind) // 2)
+
+    @property
+    def l2_tile_bytes(self) -> int:
+        """Combine output of one full L2 tile: block_m x block_n bf16 (the paper's V_t, 32 KiB at 128 x 128)."""
+        return self.block_m * self.block_n * BF16_BYTES
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """One MoE layer's work on one rank: the shape and the token rows routed to each local expert."""
+
+    shape: MoEShape
+    tokens_per_expert: tuple[int, ...]
+    _rows: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        counts = []
+        for e, n in enumerate(self.tokens_per_expert):
+            try:  # operator.index takes Python and numpy integers and refuses floats and strings
+                value = operator.index(n)
+            except TypeError:
+                value = None
+            if value is None or isinstance(n, bool) or value < 0:
+                raise ScheduleError(f"tokens_per_expert[{e}] must be an integer >= 0, got {n!r}")
+            counts.append(value)
+        if not counts:
+            raise ScheduleError("a rank owns at least one expert (tokens_per_expert is empty)")
+        counts = tuple(counts)
+        object.__setattr__(self, "tokens_per_expert", counts)
+        m_blocks = [-(-n // self.shape.block_m) for n in counts]
+        offsets, rows, start = [], [], 0
+        for e, mb in enumerate(m_blocks):
+            offsets.append(start)
+            rows.extend((e, m) for m in range(mb))
+            start += mb
+        object.__setattr__(self, "_rows", (tuple(m_blocks), tuple(offsets), tuple(rows)))
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.tokens_per_expert)
+
+    @property
+    def m_blocks(self) -> tuple[int, ...]:
+        """ceil(n_e / BLOCK_M) per local expert."""
+        return self._rows[0]
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        """O_e: the first scheduler row of each expert (an expert without tokens owns no rows)."""
+        return self._rows[1]
+
+    @property
+    def rows(self) -> tuple[tuple[int, int], ...]:
+        """Row p -> (e(p), p - O_e(p)), expert by expert."""
+        return self._rows[2]
+
+    @property
+    def num_rows(self) -> int:
+        """Algorithm 1's P."""
+        return len(self._rows[2])
+
+    def row_of(self, tile: Tile) -> int:
+        return self.row_offsets[tile.expert] + tile.m_block
+
+    def valid_m(self, expert: int, m_block: int) -> int:
+        """Token rows the M block really holds (the last block of an expert may be partial)."""
+        return min(self.shape.block_m, self.tokens_per_expert[expert] - m_block * self.shape.block_m)
+
+    def row_tiles(self, kind: str, p: int) -> list[Tile]:
+        e, m = self.rows[p]
+        return [Tile(kind, e, m, n) for n in range(self.shape.n_blocks(kind))]
+
+    def tiles(self, kind: str | None = None) -> list[Tile]:
+        """Every tile of the layer on this rank (both kinds, or one), row by row, N block fastest."""
+        kinds = KINDS if kind is None else (kind,)
+        return [t for k in kinds for p in range(self.num_rows) for t in self.row_tiles(k, p)]
+
+    @property
+    def num_tiles(self) -> int:
+        return self.num_rows * (self.shape.l1_n_blocks + self.shape.l2_n_blocks)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-CTA tile streams of a persistent grid: CTA c runs ``streams[c]`` in order.
+
+    ``order`` is "wave" or "interleaved"; ``params`` holds what chose the order (experts_per_wave, or G and D)."""
+
+    order: str
+    streams: tuple[tuple[Tile, ...], ...]
+    params: dict = field(default_factory=dict)
+
+    @property
+    def num_ctas(self) -> int:
+        return len(self.streams)
+
+    def tiles(self) -> list[Tile]:
+        return [t for stream in self.streams for t in stream]
+
+
+# --- the expert-wave order -------------------------------------------------------------------------------
+
+
+def expert_wave_size(num_experts: int, mean_tokens_per_expert: float, l1_n_blocks: int, block_m: int,
+                     num_ctas: int, rounds: int = WAVE_FILL_ROUNDS) -> int:
+    """Experts per wave: the fewest whose expected L1 tiles fill the persistent grid ``rounds`` whole rounds,
+    rounded up to a divisor of ``num_experts`` so every wave holds the same number of experts.
+
+    Why: a wave with fewer L1 tiles than the grid leaves CTAs idle at each L1 -> L2 boundary, and routing skew
+    leaves some experts below the mean, so the expected count is asked to fill two rounds (DeepGEMM's expert-wave
+    baseline, the paper's [10], uses the same factor); beyond that, larger waves only delay the first L2 tiles
+    and need more ring slots (a wave's rows must fit the ring). The expected tiles use the mean token count so
+    the size depends only on quantities known at launch (total routed rows and shapes), not on the skew.
+    """
+    if num_experts <= 0 or num_ctas <= 0 or rounds <= 0:
+        raise ScheduleError(f"num_experts, num_ctas and rounds must be > 0 (got {num_experts}, {num_ctas}, {rounds})")
+    expected_tiles = math.ceil(mean_tokens_per_expert / block_m) * l1_n_blocks
+    wave = num_experts if expected_tiles == 0 else min(num_experts, -(-rounds * num_ctas // expected_tiles))
+    while num_experts % wave:
+        wave += 1
+    return wave
+
+
+def expert_waves(work: RankWork, experts_per_wave: int) -> list[range]:
+    """The waves: consecutive local experts, ``experts_per_wave`` each (the last one may be shorter)."""
+    if experts_per_wave <= 0:
+        raise ScheduleError(f"experts_per_wave must be > 0, got {experts_per_wave}")
+    return [range(s, min(s + experts_per_wave, work.num_experts)) for s in range(0, work.num_experts, experts_per_wave)]
+
+
+def wave_rows(work: RankWork, wave: range) -> range:
+    """Scheduler rows of one wave's experts (contiguous: rows are numbered expert by expert)."""
+    start = work.row_offsets[wave.start]
+    end = work.row_offsets[wave.stop] if wave.stop < work.num_experts else work.num_rows
+    return range(start, end)
+
+
+def expert_wave_order(work: RankWork, num_ctas: int, experts_per_wave: int | None = None,
+                      rounds: int = WAVE_FILL_ROUNDS) -> Schedule:
+    """The expert-wave order: wave w's L1 tiles, then its L2 tiles, then wave w + 1, as one list that the
+    persistent grid walks with stride ``num_ctas`` (CTA c takes list entries c, c + num_ctas, ...; within a
+    wave rows go expert by expert, N block fastest), which is the baseline's static persistent walk.
+    ``experts_per_wave=None`` takes :func:`expert_wave_size` at the rank's mean token count."""
+    if num_ctas <= 0:
+        raise ScheduleError(f"num_ctas must be > 0, got {num_ctas}")
+    if experts_per_wave is None:
+        mean = sum(work.tokens_per_expert) / work.num_experts
+        experts_per_wave = expert_wave_size(work.num_experts, mean, work.shape.l1_n_blocks, work.shape.block_m,
+                                            num_ctas, rounds)
+    walk: list[Tile] = []
+    for wave in expert_waves(work, experts_per_wave):
+        rows = wave_rows(work, wave)
+        for kind in KINDS:
+            walk.extend(t for p in rows for t in work.row_tiles(kind, p))
+    streams = tuple(tuple(walk[c::num_ctas]) for c in range(num_ctas))
+    return Schedule("wave", streams, {"experts_per_wave": experts_per_wave, "num_waves": -(-work.num_experts //
+                                                                                         experts_per_wave)})
+
+
+def wave_order_ring_slots_needed(work: RankWork, experts_per_wave: int) -> int:
+    """The fewest ring slots with which the wave order cannot deadlock: a wave's L1 rows must not wait for
+    slots that only the same wave's L2 tiles (later in every stream) free, so the ring holds a whole wave."""
+    return max((len(wave_rows(work, w)) for w in expert_waves(work, experts_per_wave)), default=0)
+
+
+# --- the interleaved order: Algorithm 1 --------------------------------------------------------------------
+
+
+def interleaved_scheduler(g: int, r: int, G: int, P: int, P_1: int, P_2: int,
+                          D: float) -> Iterator[tuple[str, int, int]]:
+    """Algorithm 1, procedure Scheduler(g, r), line by line: yields (kind, p, n) for the CTA of role ``r`` in
+    instance ``g``; the tile is <e(p), m = p - O_e(p), n>. Both CTAs of a pair walk the same cursors, so they
+    emit the same rows with n = 2*(k mod P_i) + r. Integers only, so the kernel can mirror it exactly."""
+    k_1 = g
+    k_2 = g  # line 2
+    while k_1 < P * P_1 or k_2 < P * P_2:  # line 3
+        p_1 = k_1 // P_1 if k_1 < P * P_1 else math.inf  # line 4 (+inf once L1 is done)
+        p_2 = k_2 // P_2  # line 5
+        if k_2 < P * P_2 and p_2 + D <= p_1:  # line 6
+            yield L2, p_2, 2 * (k_2 % P_2) + r
+            k_2 += G  # line 7
+        else:  # lines 9-11
+            yield L1, p_1, 2 * (k_1 % P_1) + r
+            k_1 += G
+
+
+def d_knee(shape: MoEShape, k_sm: int) -> float:
+    """Eq. 16: D_knee = b_n * K_SM / (2 * h_inter) scheduler rows, for ``k_sm`` participating SMs
+    (calibrate.model.d_knee)."""
+    return float(model.d_knee(shape.block_n, k_sm, shape.intermediate))
+
+
+def d_knee_from_profile(shape: MoEShape, profile, k_sm: int | None = None) -> float:
+    """Eq. 16 on a platform profile (calibrate.profile.PlatformProfile): K_SM is ``k_sm`` or the profile's SM
+    count. The knee contains no X-Stage parameter (T_iss0, R, Q): it comes from cross-SM data readiness."""
+    return d_knee(shape, profile.sm_count if k_sm is None else k_sm)
+
+
+def interleaved_order(work: RankWork, num_ctas: int, lead: float | None = None) -> Schedule:
+    """The interleaved order of Algorithm 1 on a grid of ``num_ctas`` CTAs (even): G = num_ctas / 2 instances,
+    CTA c = 2g + r. ``lead`` is D in rows; None takes D_knee (eq. 16) with K_SM = num_ctas. A pair slot whose
+    n is past the last N block (odd N-block count, role r = 1) is skipped, with the cursors unchanged."""
+    if num_ctas <= 0 or num_ctas % 2:
+        raise ScheduleError(f"the interleaved order runs CTA pairs: num_ctas must be even and > 0, got {num_ctas}")
+    G = num_ctas // 2
+    D = d_knee(work.shape, num_ctas) if lead is None else float(lead)
+    P, P_1, P_2 = work.num_rows, work.shape.pairs_per_row(L1), work.shape.pairs_per_row(L2)
+    streams = []
+    for c in range(num_ctas):
+        g, r = divmod(c, 2)
+        stream = []
+        for kind, p, n in interleaved_scheduler(g, r, G, P, P_1, P_2, D):
+            if n < work.shape.n_blocks(kind):
+                e, m = work.rows[p]
+                stream.append(Tile(kind, e, m, n))
+        streams.append(tuple(stream))
+    return Schedule("interleaved", tuple(streams), {"G": G, "D": D, "P": P, "P_1": P_1, "P_2": P_2})
+
+
+# --- checks ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScheduleCheck:
+    """What :func:`check_schedule` proved: tile counts per kind and the dependency edges it ordered."""
+
+    l1_tiles: int
+    l2_tiles: int
+    ring_slots: int | None
+    edges: int
+
+
+def check_tiles(work: RankWork, schedule: Schedule) -> None:
+    """Every tile of ``work`` exactly once across the streams, nothing else; raises ScheduleError naming them."""
+    expected = set(work.tiles())
+    seen: dict[Tile, tuple[int, int]] = {}
+    for c, stream in enumerate(schedule.streams):
+        for i, tile in enumerate(stream):
+            if tile in seen:
+                raise ScheduleError(f"{schedule.order}: {tile} appears twice (CTA {seen[tile][0]} position "
+                                    f"{seen[tile][1]} and CTA {c} position {i})")
+            if tile not in expected:
+                raise ScheduleError(f"{schedule.order}: CTA {c} position {i} holds {tile}, which is no tile of "
+                                    f"this rank's work")
+            seen[tile] = (c, i)
+    missing = expected - seen.keys()
+    if missing:
+        raise ScheduleError(f"{schedule.order}: {len(missing)} tile(s) never scheduled, e.g. "
+                            f"{', '.join(map(str, sorted(missing)[:4]))}")
+
+
+def check_schedule(work: RankWork, schedule: Schedule, ring_slots: int | None = None) -> ScheduleCheck:
+    """Prove the streams are a complete, deadlock-free order: every tile exactly once (:func:`check_tiles`), and
+    program order within each CTA plus the dependencies (L1 row -> its L2 tiles; L2 of row p - ring_slots ->
+    L1 of row p) form no cycle, so every CTA that waits on an unmet dependency is eventually released, for any
+    tile durations. Raises ScheduleError with the cycle otherwise."""
+    check_tiles(work, schedule)
+    if ring_slots is not None and ring_slots <= 0:
+        raise ScheduleError(f"ring_slots must be > 0 or None, got {ring_slots}")
+    # Nodes: tiles, plus two per row: "row p's L1 done" and "row p's L2 done" (a join, so edges stay linear).
+    l1_done = {p: ("L1 done", p) for p in range(work.num_rows)}
+    l2_done = {p: ("L2 done", p) for p in range(work.num_rows)}
+    succ: dict[object, list] = {}
+    indeg: dict[object, int] = {}
+
+    def edge(a, b):
+        succ.setdefault(a, []).append(b)
+        indeg[b] = indeg.get(b, 0) + 1
+        indeg.setdefault(a, indeg.get(a, 0))
+
+    for stream in schedule.streams:
+        for a, b in zip(stream, stream[1:]):
+            edge(a, b)
+    for p in range(work.num_rows):
+        for t in work.row_tiles(L1, p):
+            edge(t, l1_done[p])
+        for t in work.row_tiles(L2, p):
+            edge(l1_done[p], t)
+            edge(t, l2_done[p])
+        if ring_slots is not None and p + ring_slots < work.num_rows:
+            for t in work.row_tiles(L1, p + ring_slots):
+                edge(l2_done[p], t)
+    for node in list(l1_done.values()) + list(l2_done.values()) + work.tiles():
+        indeg.setdefault(node, 0)
+    ready = deque(n for n, d in indeg.items() if d == 0)
+    left = dict(indeg)
+    done = 0
+    while ready:
+        node = ready.popleft()
+        done += 1
+        for nxt in succ.get(node, ()):
+            left[nxt] -= 1
+            if left[nxt] == 0:
+                ready.append(nxt)
+    if done < len(left):
+        raise ScheduleError(f"{schedule.order}: the streams deadlock (ring_slots={ring_slots}; a -> b: a before b): "
+                            f"{_describe_cycle(work, schedule, succ, left)}")
+    return ScheduleCheck(len(work.tiles(L1)), len(work.tiles(L2)), ring_slots, sum(map(len, succ.values())))
+
+
+def _describe_cycle(work, schedule, succ, left) -> str:
+    """One cycle among the nodes Kahn's algorithm could not order, as 'a -> b -> ... -> a'."""
+    stuck = {n for n, d in left.items() if d > 0}
+    pred = {}
+    for a, outs in succ.items():
+        for b in outs:
+            if a in stuck and b in stuck:
+                pred.setdefault(b, a)
+    where = {t: (c, i) for c, s in enumerate(schedule.streams) for i, t in enumerate(s)}
+    node, path, index = next(iter(stuck)), [], {}
+    while node not in index:
+        index[node] = len(path)
+        path.append(node)
+        node = pred[node]
+    cycle = path[index[node]:][::-1]
+
+    def name(n):
+        if isinstance(n, Tile):
+            c, i = where[n]
+            return f"{n}@CTA{c}[{i}]"
+        e, m = work.rows[n[1]]
+        return f"row {n[1]} (e={e},m={m}) {n[0]}"
+
+    shown = [name(n) for n in cycle[:8]] + (["..."] if len(cycle) > 8 else [])
+    return " -> ".join(shown + [name(cycle[0])])
