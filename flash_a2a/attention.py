@@ -130,6 +130,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     # register split: the producer warpgroup gives its registers to the two MMA warpgroups
     num_producer_regs = 24
     num_mma_regs = 240
+    kv_stages = KV_STAGES
+    pinned_exponentials = PINNED_EXPONENTIALS
     tail_barrier = NamedBarrierFwd.TailSplit
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", n_dst: int = 1,
@@ -231,8 +233,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
         sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
-        sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), KV_STAGES)
-        sV_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), KV_STAGES)
+        sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.kv_stages)
+        sV_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.kv_stages)
         sO_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_layout, (TILE_M, d))
@@ -244,8 +246,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[Int64, 2]
-            mbar_k: cute.struct.MemRange[Int64, 2 * KV_STAGES]
-            mbar_v: cute.struct.MemRange[Int64, 2 * KV_STAGES]
+            mbar_k: cute.struct.MemRange[Int64, 2 * self.kv_stages]
+            mbar_v: cute.struct.MemRange[Int64, 2 * self.kv_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
@@ -314,7 +316,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
 
     def shared_storage_and_pipelines(self, SharedStorage, tx_q, tx_kv):
         """The CTA's shared storage (and the relay's pointer table), and the Q, K and V TMA pipelines: one Q
-        stage, KV_STAGES K/V stages, each consumed by every MMA warp."""
+        stage, ``kv_stages`` K/V stages, each consumed by every MMA warp."""
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         s_relay = None
@@ -327,11 +329,13 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                                                   producer_group=one_thread, consumer_group=mma_warps,
                                                   tx_count=tx_q, defer_sync=True)
         kv_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4)
-        pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_k.data_ptr(), num_stages=KV_STAGES,
-                                                  producer_group=one_thread, consumer_group=kv_warps,
+        pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_k.data_ptr(),
+                                                  num_stages=self.kv_stages, producer_group=one_thread,
+                                                  consumer_group=kv_warps,
                                                   tx_count=tx_kv, cta_layout_vmnk=None, defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_v.data_ptr(), num_stages=KV_STAGES,
-                                                  producer_group=one_thread, consumer_group=kv_warps,
+        pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_v.data_ptr(),
+                                                  num_stages=self.kv_stages, producer_group=one_thread,
+                                                  consumer_group=kv_warps,
                                                   tx_count=tx_kv, cta_layout_vmnk=None, defer_sync=True)
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
         return storage, s_relay, pipe_q, pipe_k, pipe_v
@@ -374,7 +378,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         tma_q, tma_k, tma_v = tmas
         pipe_q, pipe_k, pipe_v = pipes
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         sched, order = self.walk_policies(shape, split_k)
         for u in cutlass.range(sched.initial(), sched.end, sched.stride, unroll=1):
             t = u
@@ -413,17 +417,17 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     # ---------------------------------------------------------------- MMA warpgroups: the Q-loop
     @cute.jit
     def pinned_sum(self, softmax: OnlineSoftmax, acc_s) -> Float32:
-        """Sum of the first PINNED_EXPONENTIALS exponentials of this thread (row-major over its rows): whole
+        """Sum of the first ``pinned_exponentials`` exponentials of this thread (row-major over its rows): whole
         rows through their row sums (free), a partial row element by element."""
         p_mn = layout_utils.reshape_acc_to_mn(acc_s)
         n_rows = cute.size(softmax.row_sum)
         n_cols = cute.size(p_mn, mode=[1])
         total = Float32(0.0)
         for r in cutlass.range_constexpr(n_rows):
-            if const_expr(PINNED_EXPONENTIALS >= (r + 1) * n_cols):
+            if const_expr(self.pinned_exponentials >= (r + 1) * n_cols):
                 total = total + softmax.row_sum[r]
-            elif const_expr(PINNED_EXPONENTIALS > r * n_cols):
-                for c in cutlass.range_constexpr(PINNED_EXPONENTIALS - r * n_cols):
+            elif const_expr(self.pinned_exponentials > r * n_cols):
+                for c in cutlass.range_constexpr(self.pinned_exponentials - r * n_cols):
                     total = total + p_mn[r, c]
         return total
 
@@ -595,7 +599,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         if wg == 0:  # the first warpgroup issues first
             cute.arch.barrier_arrive(barrier_id=NamedBarrierFwd.WarpSchedulerWG1, number_of_threads=2 * WG_THREADS)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         sched, order = self.walk_policies(shape, split_args[2])
         kv_mask = None
         if const_expr(self.masked):  # this thread's S coordinates, and the last KV block's valid columns
