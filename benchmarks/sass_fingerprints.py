@@ -81,7 +81,8 @@ def main(argv=None) -> int:
         with open(args.check) as f:
             stored = json.load(f)["kernels"]
         moved = [n for n in got if n in stored and stored[n]["sha256"] != got[n]["sha256"]]
-        print(f"{len(got) - len(moved)} of {len(got)} identical to {args.check}" + (f"; moved: {moved}" if moved else ""))
+        print(f"{len(got) - len(moved)} of {len(got)} identical to {args.check}"
+              + (f"; moved: {moved}" if moved else ""))
         return 1 if moved else 0
     return 0
 

@@ -201,8 +201,10 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         flags, epoch = (make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8) for _ in range(2))
         counter, errors = (make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4) for _ in range(2))
         spans = make_fake_tensor(Int64, (cute.sym_int64(), 4), stride=(4, 1), assumed_align=16)
-        split = (make_fake_tensor(Float32, (cute.sym_int64(),), stride=(1,), assumed_align=16),
-                 make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4)) if self.split else (None, None)
+        split = (None, None)
+        if self.split:
+            split = (make_fake_tensor(Float32, (cute.sym_int64(),), stride=(1,), assumed_align=16),
+                     make_fake_tensor(Int32, (cute.sym_int64(),), stride=(1,), assumed_align=4))
         shadows = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8) if self.relay else None
         lse = (make_fake_tensor(Float32, (b, h, s), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
                if self.lse else None)
@@ -642,8 +644,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                     r_done = Int32(1)
             store_tile = 1  # split tail: whether this unit stores its tile (a whole tile, or the last chunk)
             if const_expr(self.split):
-                store_tile = self.tail_partial(acc_o, softmax, split_args[:2], t - sched.full, chunk, split, sched.split_k,
-                                               wg, tidx, sO)
+                store_tile = self.tail_partial(acc_o, softmax, split_args[:2], t - sched.full, chunk, split,
+                                               sched.split_k, wg, tidx, sO)
             elif const_expr(self.lse):
                 inv, row_lse = softmax.finalize_with_lse()
                 softmax.rescale(acc_o, inv)

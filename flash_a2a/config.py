@@ -53,8 +53,8 @@ class AttentionConfig:
 # fenced partial and count, the combining CTA's reads and the tile's store, the second launch). Fitted to the
 # split-against-unsplit pairs of the full 2 x H200 run at 6c95827 (git show 43e424d:benchmarks/results/h200x2/
 # flash_a2a_run_6c95827.json, column fa_ours_nosplit, six shapes with k = 2..11): 1.1 and 6 KV blocks (~9 µs at
-# d = 128) put five of the six within 0.02 tile-times of the measurement (3 heads/8K 0.64 vs 0.65 measured, 3 heads/32K 1.03 vs
-# 0.996, 48K 0.87 vs 0.85, 64K 0.76 vs 0.77, 12 heads/16K 0.83 vs 0.84; 12 heads/32K 0.36 vs 0.50).
+# d = 128) put five of the six within 0.02 tile-times of the measurement (3 heads/8K 0.64 vs 0.65 measured,
+# 3 heads/32K 1.03 vs 0.996, 48K 0.87 vs 0.85, 64K 0.76 vs 0.77, 12 heads/16K 0.83 vs 0.84; 12 heads/32K 0.36 vs 0.50).
 CHUNK_TIME_FACTOR = 1.1
 CHUNK_COST_KV_BLOCKS = 6.0
 # What the second launch must at least save (the split tail), in KV-block times: the tail kernel's launch

@@ -100,7 +100,8 @@ class TailLaunchMixin:
                                 cute.make_layout((4, PARTIAL_FLOATS // 4), stride=(1, 4 * n_thr)))
 
     @cute.jit
-    def tail_partial(self, acc_o, softmax: OnlineSoftmax, split_buffers, tail_tile, chunk, split, k, wg, tidx, sO) -> Int32:
+    def tail_partial(self, acc_o, softmax: OnlineSoftmax, split_buffers, tail_tile, chunk, split, k, wg, tidx,
+                     sO) -> Int32:
         """Split tail, after a unit's Q-loop: a whole tile is normalized (returns 1: store it). A chunk of a
         split tile leaves this thread's unnormalized O and its two rows' max and (quad-summed) sum in the
         workspace, fenced; both MMA warpgroups meet, one thread counts the chunk on the tile's counter (the k-th

@@ -135,7 +135,8 @@ def test_spans_fill_one_row_per_tile_and_warpgroup(seeded):
     torch.cuda.synchronize()
     assert torch.equal(out, flash_attention(q, k, v, tail_split=False)), seeded
     sp = spans.cpu()
-    assert (sp[:, 0] > 0).all() and (sp[:, 1] >= sp[:, 0]).all() and (sp[:, 2] > 0).all() and (sp[:, 3] >= sp[:, 2]).all()
+    assert (sp[:, 0] > 0).all() and (sp[:, 1] >= sp[:, 0]).all()
+    assert (sp[:, 2] > 0).all() and (sp[:, 3] >= sp[:, 2]).all()
 
 
 @pytest.mark.gpu
