@@ -1,0 +1,334 @@
+"""MegaMoE: the fused expert-parallel MoE layer (``megamoe.kernel.MegaMoEForward``) behind a torch API.
+
+    moe = MegaMoE(group, num_experts=256, top_k=6, hidden=4096, intermediate=2048, max_tokens_per_rank=8192)
+    moe.load_weights(w1, w2)        # (E, 2I, H) gate rows then up rows, and (E, H, I), bf16, all experts
+    y = moe.forward(x, topk_idx, topk_weights)   # (T, H) bf16, (T, top_k) int32, (T, top_k) float32
+
+Expert e lives on rank e // (num_experts / world). ``topk_idx`` entries of -1 are skipped (that slot adds
+nothing to y); other ids must be in [0, num_experts). y[t] = sum_k w[t, k] * FFN_{e_k}(x[t]), with
+FFN(x) = (silu(x W_gate^T) * (x W_up^T)) W_2^T; the router weight multiplies the SwiGLU output (bf16)
+before Linear-2. Buffers (symmetric memory for world > 1) are allocated once, in the constructor, for
+``max_tokens_per_rank``; ``forward`` allocates only y and is CUDA-Graph capturable (no host sync while
+capturing: the expert-id range check then runs in the kernel, which records it in the error word).
+
+Weights layout (``load_weights``): this rank's experts, W1 as (E_local * 2I, H) whose 128-row block n holds
+gate rows [64n, 64n + 64) then up rows [64n, 64n + 64) (an L1 tile's SwiGLU pairs stay in one thread), W2 as
+(E_local * H, I).
+
+Emulated ranks (``EmulatedMoE``): P ranks on one GPU, each a launch over SMs / P CTAs on its own stream,
+with pointer tables into each other's buffers: the cross-rank protocol without a second GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megamoe import schedule as sched
+from megamoe import tile_stream as ts
+
+SCHEDULES = tuple(ts.ORDERS)
+TIMEOUT_NS = 2_000_000_000
+_KERNELS: dict = {}
+
+
+def _compiled(hidden, intermediate, top_k, num_local, instrument):
+    key = (hidden, intermediate, top_k, num_local, instrument)
+    if key not in _KERNELS:
+        import cutlass.cute as cute  # noqa: F401  (the DSL only when a kernel is built)
+        from cutlass.runtime import make_fake_stream
+
+        from cute_kernels.compile import compile_kernel
+        from megamoe.kernel import MegaMoEForward
+
+        k = MegaMoEForward(hidden, intermediate, top_k, num_local, instrument=instrument)
+        _KERNELS[key] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
+    return _KERNELS[key]
+
+
+def _check_layer(num_experts, top_k, hidden, intermediate, world, max_tokens):
+    for name, v in (("num_experts", num_experts), ("top_k", top_k), ("hidden", hidden),
+                    ("intermediate", intermediate), ("max_tokens_per_rank", max_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if hidden % 128 or intermediate % 128:
+        raise ValueError(f"hidden ({hidden}) and intermediate ({intermediate}) must be multiples of 128 (the tile); "
+                         "pad the layer's weights")
+    if num_experts % world:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by the world size ({world})")
+    if top_k > num_experts or top_k > 32:
+        raise ValueError(f"top_k ({top_k}) must be <= num_experts ({num_experts}) and <= 32")
+    if world > 8:
+        raise ValueError(f"world size {world} > 8: the kernel is built for at most 8 ranks")
+
+
+class _RankState:
+    """One rank's buffers: the symmetric ones (peers write them) in one allocation, then the local ones."""
+
+    SYMMETRIC = ("pool", "pool_src", "pool_w", "combine", "counts", "barrier")
+
+    def __init__(self, hidden, intermediate, top_k, num_local, world, max_tokens, grid, device, group=None):
+        self.rows = world * max_tokens * top_k + num_local * 128  # each expert's rows start on a 128 boundary
+        slots = max_tokens * top_k
+        shapes = {"pool": ((self.rows, hidden), torch.bfloat16), "pool_src": ((self.rows,), torch.int32),
+                  "pool_w": ((self.rows,), torch.float32), "combine": ((slots, hidden), torch.bfloat16),
+                  "counts": ((2 * num_local,), torch.int32), "barrier": ((1,), torch.int64)}
+        offsets, total = {}, 0
+        for name in self.SYMMETRIC:
+            shape, dtype = shapes[name]
+            offsets[name] = total
+            total += -(-math.prod(shape) * dtype.itemsize // 256) * 256
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            self.arena = symm_mem.empty(total, dtype=torch.uint8, device=device)
+            self.handle = symm_mem.rendezvous(self.arena, group)
+            self.bases = list(self.handle.buffer_ptrs)
+        else:
+            self.arena = torch.empty(total, dtype=torch.uint8, device=device)
+            self.handle, self.bases = None, None
+        self.arena.zero_()
+        self.offsets = offsets
+        for name in self.SYMMETRIC:
+            shape, dtype = shapes[name]
+            n = math.prod(shape)
+            view = self.arena[offsets[name]:offsets[name] + n * dtype.itemsize].view(dtype).view(shape)
+            setattr(self, name, view)
+        self.inter = torch.empty(self.rows, intermediate, dtype=torch.bfloat16, device=device)
+        self.tok_slot = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.l1_done = torch.zeros(self.rows // 128, dtype=torch.int32, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        self.done = torch.zeros(1, dtype=torch.int32, device=device)
+        self.errors = torch.zeros(4, dtype=torch.int32, device=device)
+
+    def addresses(self) -> list[int]:
+        """This rank's address of every symmetric buffer, in SYMMETRIC order (the peer table's rows)."""
+        return [getattr(self, n).data_ptr() for n in self.SYMMETRIC]
+
+    def peer_addresses(self, world) -> list[int]:
+        """The peer table (SYMMETRIC x world) from symmetric memory's rendezvous."""
+        return [self.bases[j] + self.offsets[n] for n in self.SYMMETRIC for j in range(world)]
+
+
+def peer_table(states: list[_RankState], device) -> torch.Tensor:
+    """The (SYMMETRIC x world) Int64 address table of ranks whose buffers are in one process (emulation)."""
+    cols = [s.addresses() for s in states]
+    return torch.tensor([cols[j][i] for i in range(len(_RankState.SYMMETRIC)) for j in range(len(states))],
+                        dtype=torch.int64, device=device)
+
+
+def transform_weights(w1: torch.Tensor, w2: torch.Tensor, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's layout of experts ``experts`` (module docstring)."""
+    E, two_i, H = w1.shape
+    I = two_i // 2
+    l1 = w1[experts.start:experts.stop]
+    gate = l1[:, :I].reshape(len(experts), I // 64, 64, H)
+    up = l1[:, I:].reshape(len(experts), I // 64, 64, H)
+    w1t = torch.stack((gate, up), dim=2).reshape(len(experts) * two_i, H).contiguous()
+    w2t = w2[experts.start:experts.stop].reshape(len(experts) * H, I).contiguous()
+    return w1t, w2t
+
+
+class MegaMoE:
+    """One MoE layer on one rank of ``group`` (None: world size 1). ``schedule``: "interleaved" (Algorithm 1)
+    or "wave" (expert waves), also per call; ``lead``: Algorithm 1's D in rows (None: D_knee, eq. 16);
+    ``instrument``: per-tile records (``last_dump``); ``num_sms``: CTAs of the persistent grid (default: every
+    SM; it must be even for the interleaved order's CTA pairs)."""
+
+    def __init__(self, group, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                 dtype=torch.bfloat16, schedule: str = "interleaved", lead: float | None = None,
+                 max_tokens_per_rank: int = 8192, instrument: bool = False, num_sms: int | None = None,
+                 device=None, _rank_world=None):
+        if dtype != torch.bfloat16:
+            raise ValueError(f"dtype {dtype} is not supported yet: use torch.bfloat16 (FP8 W8A8 is planned)")
+        if _rank_world is not None:
+            self.rank, self.world = _rank_world
+        elif group is None:
+            self.rank, self.world = 0, 1
+        else:
+            self.rank, self.world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        _check_layer(num_experts, top_k, hidden, intermediate, self.world, max_tokens_per_rank)
+        self.check_schedule(schedule)
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.num_experts, self.top_k, self.hidden, self.intermediate = num_experts, top_k, hidden, intermediate
+        self.num_local = num_experts // self.world
+        self.max_tokens, self.schedule, self.instrument = max_tokens_per_rank, schedule, bool(instrument)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        grid = sms if num_sms is None else int(num_sms)
+        if not 2 <= grid <= sms:
+            raise ValueError(f"num_sms must be in 2..{sms} (one CTA per SM), got {num_sms}")
+        self.grid = grid - grid % 2
+        self.shape = sched.MoEShape(hidden, intermediate)
+        self.lead = sched.d_knee(self.shape, self.grid) if lead is None else float(lead)
+        self.lead_rows = ts.lead_rows(self.lead)
+        self.state = _RankState(hidden, intermediate, top_k, self.num_local, self.world, max_tokens_per_rank,
+                                self.grid, self.device, group if _rank_world is None else None)
+        self.peer_ptrs = None
+        if self.state.bases is not None:
+            self.peer_ptrs = torch.tensor(self.state.peer_addresses(self.world), dtype=torch.int64,
+                                          device=self.device)
+        elif self.world == 1:
+            self.peer_ptrs = peer_table([self.state], self.device)
+        self.rec_cap = 0
+        self.records = torch.zeros(8, dtype=torch.int64, device=self.device)
+        self.w1 = self.w2 = None
+        self.kernel = _compiled(hidden, intermediate, top_k, self.num_local, self.instrument)
+
+    @staticmethod
+    def check_schedule(schedule):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+    @property
+    def experts(self) -> range:
+        return range(self.rank * self.num_local, (self.rank + 1) * self.num_local)
+
+    def load_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        """``w1`` (E, 2I, H): gate rows [0, I) then up rows [I, 2I); ``w2`` (E, H, I); bf16, all E experts (this
+        rank keeps its own, transformed once)."""
+        E, H, I = self.num_experts, self.hidden, self.intermediate
+        for name, w, shape in (("w1", w1, (E, 2 * I, H)), ("w2", w2, (E, H, I))):
+            if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape:
+                raise ValueError(f"{name} must be a tensor of shape {shape}, got "
+                                 f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+            if w.dtype != torch.bfloat16:
+                raise ValueError(f"{name} must be bfloat16, got {w.dtype}")
+        self.w1, self.w2 = (t.to(self.device) for t in transform_weights(w1, w2, self.experts))
+
+    def check_inputs(self, x, topk_idx, topk_weights):
+        if self.w1 is None:
+            raise ValueError("no weights: call load_weights(w1, w2) first")
+        for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the layer on {self.device}: move it there")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (call .contiguous())")
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x must be (tokens, hidden={self.hidden}), got {tuple(x.shape)}")
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"x must be bfloat16, got {x.dtype}")
+        T = x.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"{T} tokens > max_tokens_per_rank={self.max_tokens}: build the layer with a larger "
+                             "max_tokens_per_rank")
+        if tuple(topk_idx.shape) != (T, self.top_k) or tuple(topk_weights.shape) != (T, self.top_k):
+            raise ValueError(f"topk_idx and topk_weights must be (tokens={T}, top_k={self.top_k}), got "
+                             f"{tuple(topk_idx.shape)} and {tuple(topk_weights.shape)}")
+        if topk_idx.dtype != torch.int32:
+            raise ValueError(f"topk_idx must be int32, got {topk_idx.dtype} (use .to(torch.int32))")
+        if topk_weights.dtype != torch.float32:
+            raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
+        if T and not torch.cuda.is_current_stream_capturing():
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            if lo < -1 or hi >= self.num_experts:
+                raise ValueError(f"expert ids must be in [0, {self.num_experts}) or -1 (skip), got range "
+                                 f"[{lo}, {hi}]")
+
+    def experts_per_wave(self, tokens: int) -> int:
+        """The wave heuristic (schedule.expert_wave_size) at the expected rows per local expert."""
+        mean = tokens * self.top_k * self.world / self.num_experts
+        return sched.expert_wave_size(self.num_local, mean, self.shape.l1_n_blocks, 128, self.grid)
+
+    def enable_records(self, tiles_per_cta: int) -> None:
+        """Room for ``tiles_per_cta`` records per CTA (instrument=True); forward grows it as needed."""
+        if self.instrument and tiles_per_cta > self.rec_cap:
+            self.rec_cap = tiles_per_cta
+            self.records = torch.zeros(self.grid * tiles_per_cta * 8, dtype=torch.int64, device=self.device)
+
+    def launch(self, x, topk_idx, topk_weights, y, schedule=None, peer_ptrs=None):
+        """One launch on the current stream (no checks, no allocation: ``forward`` checks)."""
+        st = self.state
+        order = ts.ORDERS[schedule or self.schedule]
+        if self.instrument:
+            rows = (self.world * self.max_tokens * self.top_k) // 128 + self.num_local
+            self.enable_records(2 * (-(-rows * (self.shape.l1_n_blocks + self.shape.l2_n_blocks) // self.grid))
+                                + 64)
+            self.records.zero_()
+        self.kernel(x, topk_idx, topk_weights, self.w1, self.w2, y, st.pool, st.inter, st.pool_src, st.pool_w,
+                    st.combine, st.counts, st.tok_slot, st.l1_done, st.barrier,
+                    self.peer_ptrs if peer_ptrs is None else peer_ptrs, st.epoch, st.done, st.errors, self.records,
+                    self.rank, self.world, self.max_tokens, order, self.experts_per_wave(x.shape[0]),
+                    self.lead_rows, self.grid, TIMEOUT_NS, self.rec_cap)
+
+    def forward(self, x, topk_idx, topk_weights, schedule: str | None = None) -> torch.Tensor:
+        if schedule is not None:
+            self.check_schedule(schedule)
+        if self.peer_ptrs is None:
+            raise ValueError("this rank has no peer table: build it through EmulatedMoE or a process group")
+        self.check_inputs(x, topk_idx, topk_weights)
+        y = torch.empty_like(x)
+        self.launch(x, topk_idx, topk_weights, y, schedule)
+        return y
+
+    __call__ = forward
+
+    def check_errors(self) -> None:
+        """Raise if a bounded wait of the kernel timed out or an expert id was out of range (synchronizes)."""
+        from cute_kernels.runtime import check_error_word
+        import megamoe.kernel  # noqa: F401  (registers the kernel's error names)
+
+        check_error_word(self.state.errors, f"MegaMoE rank {self.rank}")
+
+    def last_dump(self) -> dict:
+        """The last launch's per-tile records (instrument=True) as numpy arrays, one entry per tile run:
+        cta, kind (1 = L1, 2 = L2), expert, m, n, sm, t_entry, t_data (first K block in: the wait at tile entry
+        ends), t_mma_end, t_end (globaltimer ns) and t_rs
+        (the L2 epilogue's store span, clock64 cycles)."""
+        if not self.instrument:
+            raise ValueError("build the layer with instrument=True to record tiles")
+        import numpy as np
+
+        rec = self.records.view(self.grid, self.rec_cap, 8).cpu().numpy()
+        used = rec[:, :, 4] != 0
+        cta = np.nonzero(used)[0]
+        r = rec[used]
+        packed = r[:, 0]
+        return {"cta": cta, "slot": np.nonzero(used)[1], "kind": packed >> 56, "expert": (packed >> 40) & 0xFFFF,
+                "m": (packed >> 20) & 0xFFFFF, "n": packed & 0xFFFFF, "sm": r[:, 1], "t_entry": r[:, 2],
+                "t_data": r[:, 3], "t_mma_end": r[:, 4], "t_end": r[:, 5], "t_rs": r[:, 6]}
+
+
+class EmulatedMoE:
+    """P ranks of one layer on one GPU: rank r is a MegaMoE over ``sms // P`` CTAs (even), the P launches
+    run concurrently on P streams, with pointer tables into each other's buffers."""
+
+    def __init__(self, world: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                 max_tokens_per_rank: int = 4096, schedule: str = "interleaved", lead=None, instrument=False,
+                 device=None):
+        if world < 1:
+            raise ValueError(f"world must be >= 1, got {world}")
+        sms = torch.cuda.get_device_properties(device or torch.cuda.current_device()).multi_processor_count
+        per = (sms // world) - (sms // world) % 2
+        self.ranks = [MegaMoE(None, num_experts, top_k, hidden, intermediate, schedule=schedule, lead=lead,
+                              max_tokens_per_rank=max_tokens_per_rank, instrument=instrument, num_sms=per,
+                              device=device, _rank_world=(r, world)) for r in range(world)]
+        table = peer_table([m.state for m in self.ranks], self.ranks[0].device)
+        for m in self.ranks:
+            m.peer_ptrs = table
+        self.streams = [torch.cuda.Stream(self.ranks[0].device) for _ in range(world)]
+
+    def load_weights(self, w1, w2):
+        for m in self.ranks:
+            m.load_weights(w1, w2)
+
+    def forward(self, xs, idxs, weights, schedule=None) -> list[torch.Tensor]:
+        """Every rank's layer at once: ``xs[r]`` etc. are rank r's inputs; returns each rank's y."""
+        if not len(xs) == len(idxs) == len(weights) == len(self.ranks):
+            raise ValueError(f"give one x, topk_idx and topk_weights per rank ({len(self.ranks)})")
+        for m, x, i, w in zip(self.ranks, xs, idxs, weights):
+            m.check_inputs(x, i, w)
+        ys = [torch.empty_like(x) for x in xs]
+        main = torch.cuda.current_stream()
+        for m, s, x, i, w, y in zip(self.ranks, self.streams, xs, idxs, weights, ys):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                m.launch(x, i, w, y, schedule)
+        for s in self.streams:
+            main.wait_stream(s)
+        return ys
+
+    def check_errors(self):
+        for m in self.ranks:
+            m.check_errors()

@@ -1,0 +1,566 @@
+"""MegaMoEForward: one persistent Hopper kernel for an expert-parallel MoE layer (bf16): Dispatch, Linear-1
+with SwiGLU x router weight, Linear-2, Combine (xstage-paper sections 2.2, 4.2, 5.2; issue 28).
+
+One CTA per SM (at most SMs / P per emulated rank), 3 warpgroups. The launch runs four phases:
+1. **Count** (all threads): every routed (token, k) of this rank takes a slot of its expert on the owner
+   rank (a system-scope atomic on the owner's symmetric ``counts``). Grid-wide, cross-rank barrier B1.
+2. **Dispatch** (all threads, one warp per (token, k)): from every owner's counts, each expert's rows start at
+   a 128-row boundary of the owner's pool (``row_off``: the scheduler rows of ``megamoe.schedule``); the warp
+   pushes the token row there with 128-bit stores, plus its source (rank, token, k) and router weight.
+   Barrier B2. Pushing (not pulling) keeps every NVLink transfer a store, the kind the X-stage model covers.
+3. **Expert GEMMs** (warp-specialized): warp 0 issues the TMA loads of A (pool rows or intermediate rows) and
+   B (weights) into a ``ab_stages``-deep pipeline; the two MMA warpgroups (64 rows each of a 128 x 128 tile)
+   run WGMMA and their own epilogue. Both walk the same tile stream (``megamoe.tile_stream``: the expert-wave
+   order or Algorithm 1, chosen at launch). L1 tile (row p, N block n): gate and up are the 64 + 64 columns of
+   the interleaved weight block (``MegaMoE.load_weights``), h = silu(gate) * up * weight goes to the local
+   intermediate (bf16), then a release-add on ``l1_done[p]``. L2 tile: the producer waits (bounded) until
+   ``l1_done[p]`` counts every L1 half-tile of the row; the epilogue stores each bf16 row straight into its
+   source rank's symmetric combine buffer (slot token * top_k + k): the Combine's remote stores, issued by the
+   MMA warpgroup that owns them, which then goes on to its next mainloop while they drain (the X-stage).
+4. **Combine**: barrier B3 (every rank's L2 stores performed), then y[t] = sum_k combine[t, k] (fp32 sum).
+
+Every wait is bounded (``cute_kernels.flags``): on timeout the error word names it and the kernel goes on.
+Cross-launch safety without host resets: ``counts`` is double-buffered by the launch epoch's parity (the
+other half is zeroed before B1), the barrier counter is monotone (targets from the epoch), ``l1_done`` is
+zeroed before B1, and the last CTA advances the device epoch.
+
+``instrument``: one record per tile (``REC_FIELDS`` Int64): packed (kind, expert, m, n), SM, globaltimer at
+tile entry, when its first K block arrived (the MMA side's wait at tile entry), mainloop end, store end
+(clock64 span of the epilogue's stores: T_RS for L2 tiles). Compiled out otherwise.
+"""
+from __future__ import annotations
+
+import enum
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_tensor
+from cutlass.utils import LayoutEnum
+from quack import copy_utils, layout_utils, sm90_utils
+
+from cute_kernels import flags as fl
+from cute_kernels.tile_epilogue import WarpgroupTileStore
+from megamoe import tile_stream as ts
+
+BLOCK_M = 128
+BLOCK_N = 128
+BLOCK_K = 64  # one pipeline stage's K extent (BLOCK_K of megamoe.schedule is the 128-wide scale block)
+WG_THREADS = 128
+NUM_THREADS = 3 * WG_THREADS
+REC_FIELDS = 8  # packed tile, smid, t_entry, t_data, t_mma_end, t_store_end (globaltimer ns), ck_store (cycles), 0
+PEER_KINDS = ("pool", "pool_src", "pool_w", "combine", "counts", "barrier")  # rows of the peer pointer table
+ERR_BAD_EXPERT = 5
+ERR_L1_TIMEOUT = 6
+fl.ERROR_NAMES.setdefault(ERR_BAD_EXPERT, "an expert id is out of range (valid: 0 <= id < num_experts, or -1)")
+fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
+
+
+class NamedBarrierMoE(enum.IntEnum):
+    """Named barriers (0 is __syncthreads)."""
+    Epilogue = 1  # 1, 2: one per MMA warpgroup, around its staged rows
+    MmaGroups = 3  # both MMA warpgroups: the end of the walk and the combine
+
+
+class MegaMoEForward:
+    """``hidden``, ``intermediate``: the layer (multiples of 128); ``top_k``; ``num_local_experts``: experts
+    per rank; ``max_world``: the largest world size the launch may take (shared-memory tables);
+    ``instrument``: per-tile records."""
+
+    num_producer_regs = 40
+    num_mma_regs = 232
+    ab_stages = 5
+
+    def __init__(self, hidden: int, intermediate: int, top_k: int, num_local_experts: int, max_world: int = 8,
+                 instrument: bool = False, dtype=cutlass.BFloat16):
+        if dtype is not cutlass.BFloat16:
+            raise ValueError("MegaMoEForward is built for bf16 (FP8 W8A8 is not implemented yet)")
+        for name, v in (("hidden", hidden), ("intermediate", intermediate)):
+            if v <= 0 or v % BLOCK_N:
+                raise ValueError(f"{name} must be a positive multiple of {BLOCK_N}, got {v}")
+        if not 1 <= top_k <= 32:
+            raise ValueError(f"top_k must be in 1..32, got {top_k}")
+        if num_local_experts < 1 or max_world < 1 or num_local_experts * max_world > 4096:
+            raise ValueError(f"num_local_experts ({num_local_experts}) x max_world ({max_world}) must be in 1..4096")
+        self.hidden, self.intermediate, self.top_k = hidden, intermediate, top_k
+        self.num_local_experts, self.max_world, self.instrument = num_local_experts, max_world, bool(instrument)
+        self.dtype = dtype
+        self.n1 = 2 * intermediate // BLOCK_N  # L1 N blocks (gate + up interleaved by 64)
+        self.n2 = hidden // BLOCK_N
+        self.k1 = hidden // BLOCK_K
+        self.k2 = intermediate // BLOCK_K
+        self.l1_arrivals = 2 * self.n1  # l1_done[p] when row p is complete: two warpgroups per L1 tile
+
+    # ---------------------------------------------------------------- host
+    def fake_args(self):
+        H, I, k, E = self.hidden, self.intermediate, self.top_k, self.num_local_experts
+        bf16 = self.dtype
+
+        def mat(dtype, cols, rows=None):
+            return make_fake_tensor(dtype, (rows or cute.sym_int64(), cols), stride=(cols, 1), assumed_align=16)
+
+        def vec(dtype, align=4):
+            return make_fake_tensor(dtype, (cute.sym_int64(),), stride=(1,), assumed_align=align)
+
+        # x, idx, weights, w1, w2, y, pool, intermediate, pool_src, pool_w, combine, counts, tok_slot, l1_done,
+        # barrier, peer_ptrs, epoch, done, errors, records
+        return (mat(bf16, H), mat(Int32, k), mat(Float32, k), mat(bf16, H), mat(bf16, I), mat(bf16, H),
+                mat(bf16, H), mat(bf16, I), vec(Int32), vec(Float32), mat(bf16, H), vec(Int32), vec(Int32),
+                vec(Int32), vec(Int64, 8), vec(Int64, 8), vec(Int64, 8), vec(Int32), vec(Int32), vec(Int64, 8),
+                Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int32(0), Int32(1), Int64(1), Int32(1))
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mIdx: cute.Tensor, mWgt: cute.Tensor, mW1: cute.Tensor,
+                 mW2: cute.Tensor, mY: cute.Tensor, mPool: cute.Tensor, mInter: cute.Tensor,
+                 pool_src: cute.Tensor, pool_w: cute.Tensor, mComb: cute.Tensor, counts: cute.Tensor,
+                 tok_slot: cute.Tensor, l1_done: cute.Tensor, barrier: cute.Tensor, peer_ptrs: cute.Tensor,
+                 epoch: cute.Tensor, done: cute.Tensor, errors: cute.Tensor, records: cute.Tensor,
+                 rank: Int32, world: Int32, max_tokens: Int32, order: Int32, experts_per_wave: Int32,
+                 lead: Int32, grid: Int32, timeout_ns: Int64, rec_cap: Int32, stream: cuda.CUstream):
+        """``mX`` (T, H) this rank's tokens, ``mIdx``/``mWgt`` (T, top_k) routing; ``mW1`` (E_l * 2I, H) and
+        ``mW2`` (E_l * H, I) this rank's experts (load_weights' layout); ``mY`` (T, H). Symmetric (peers write):
+        ``mPool`` (rows, H), ``pool_src``/``pool_w`` (rows), ``mComb`` (max_tokens * top_k, H), ``counts``
+        (2 * E_l), ``barrier`` (1). Local: ``mInter`` (rows, I), ``tok_slot`` (max_tokens * top_k),
+        ``l1_done`` (rows / 128), ``epoch``, ``done``, ``errors``, ``records``. ``peer_ptrs`` (6 * world):
+        every rank's address of each symmetric buffer, in PEER_KINDS order. ``order``: tile_stream.WAVE or
+        INTERLEAVED; ``lead``: D in whole rows."""
+        mma = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(2, 1, 1), tiler_mn=(64, BLOCK_N))
+        mma_half = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(2, 1, 1), tiler_mn=(64, BLOCK_N // 2))
+        sA_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_K), self.ab_stages)
+        sB_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_N, BLOCK_K), self.ab_stages)
+        sC_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N))
+        sH_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N // 2))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        one_a = cute.select(sA_layout, mode=[0, 1])
+        one_b = cute.select(sB_layout, mode=[0, 1])
+        tma_x, gX = cpasync.make_tiled_tma_atom(op, mPool, one_a, (BLOCK_M, BLOCK_K))
+        tma_h, gH = cpasync.make_tiled_tma_atom(op, mInter, one_a, (BLOCK_M, BLOCK_K))
+        tma_w1, gW1 = cpasync.make_tiled_tma_atom(op, mW1, one_b, (BLOCK_N, BLOCK_K))
+        tma_w2, gW2 = cpasync.make_tiled_tma_atom(op, mW2, one_b, (BLOCK_N, BLOCK_K))
+        tx = cute.size_in_bytes(self.dtype, one_a) + cute.size_in_bytes(self.dtype, one_b)
+        E = self.num_local_experts
+
+        @cute.struct
+        class SharedStorage:
+            mbar_ab: cute.struct.MemRange[Int64, 2 * self.ab_stages]
+            row_off: cute.struct.MemRange[Int32, E + 1]  # this rank's O_e (rows of 128), O[E] = P
+            n_tok: cute.struct.MemRange[Int32, E]  # this rank's token rows per expert
+            owner_off: cute.struct.MemRange[Int32, self.max_world * E]  # every owner's O_e (Dispatch)
+            sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sB_layout)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sC_layout)], 1024]
+            sH: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sH_layout)], 1024]
+
+        self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
+                    peer_ptrs, epoch, done, errors, records, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2,
+                    sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
+                    experts_per_wave, lead, timeout_ns, rec_cap, SharedStorage).launch(
+            grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
+               peer_ptrs, epoch, done, errors, records, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
+               tma_h: cute.CopyAtom, tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, sA_layout: cute.ComposedLayout,
+               sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout, sH_layout: cute.ComposedLayout,
+               mma: cute.TiledMma, mma_half: cute.TiledMma, tx: cutlass.Constexpr, rank: Int32, world: Int32,
+               max_tokens: Int32, order: Int32, experts_per_wave: Int32, lead: Int32, timeout_ns: Int64,
+               rec_cap: Int32, SharedStorage: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        if warp_idx == 0:
+            for atom in (tma_x, tma_h, tma_w1, tma_w2):
+                cpasync.prefetch_descriptor(atom)
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_ab.data_ptr(), num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8), tx_count=tx, defer_sync=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
+        E = self.num_local_experts
+        s_row_off = storage.row_off.get_tensor(cute.make_layout(E + 1))
+        s_ntok = storage.n_tok.get_tensor(cute.make_layout(E))
+        s_owner = storage.owner_off.get_tensor(cute.make_layout(self.max_world * E))
+        e_launch = epoch[0]
+        parity = Int32(e_launch % 2)
+        arrivals = Int64(world) * Int64(grid)  # one barrier's arrivals on each rank's counter
+
+        self.count(mIdx, counts, tok_slot, l1_done, peer_ptrs, errors, parity, world, tidx, bidx, grid)
+        self.cross_rank_barrier(barrier, peer_ptrs, (e_launch * 3 + 1) * arrivals, world, errors, timeout_ns,
+                                tidx, bidx)
+        self.dispatch(mX, mIdx, mWgt, tok_slot, peer_ptrs, s_owner, s_row_off, s_ntok, parity, rank, world,
+                      max_tokens, tidx, bidx, grid)
+        self.cross_rank_barrier(barrier, peer_ptrs, (e_launch * 3 + 2) * arrivals, world, errors, timeout_ns,
+                                tidx, bidx)
+        pipeline.pipeline_init_wait(cluster_shape_mn=None)
+        walk = (order, s_row_off, s_row_off[E], experts_per_wave, lead, bidx, grid)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.num_producer_regs)
+            if warp_idx == 0:
+                self.load(gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, storage, sA_layout, sB_layout, pipe,
+                          walk, l1_done, errors, timeout_ns)
+        else:
+            cute.arch.setmaxregister_increase(self.num_mma_regs)
+            self.mma(mInter, pool_src, pool_w, peer_ptrs, records, storage, (sA_layout, sB_layout, sC_layout,
+                     sH_layout), mma, mma_half, pipe, walk, s_ntok, l1_done, world, max_tokens, rec_cap,
+                     tidx - WG_THREADS)
+            self.finish(mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, (e_launch * 3 + 3) * arrivals,
+                        e_launch, world, timeout_ns, tidx - WG_THREADS, bidx, grid)
+
+    # ---------------------------------------------------------------- phases 1, 2: count and dispatch
+    @staticmethod
+    def peer(peer_ptrs, kind: str, j, world, dtype, align):
+        """Rank ``j``'s address of symmetric buffer ``kind`` (the table is PEER_KINDS x world)."""
+        return cute.make_ptr(dtype, peer_ptrs[PEER_KINDS.index(kind) * world + j], cute.AddressSpace.gmem,
+                             assumed_align=align)
+
+    @cute.jit
+    def count(self, mIdx, counts, tok_slot, l1_done, peer_ptrs, errors, parity, world, tidx, bidx, grid):
+        """Zero this launch's local counters and the other parity's counts; take a slot per routed (t, k)."""
+        E = self.num_local_experts
+        k = self.top_k
+        gtid = bidx * NUM_THREADS + tidx
+        gstride = grid * NUM_THREADS
+        for i in cutlass.range(gtid, Int32(cute.size(l1_done)), gstride, unroll=1):
+            l1_done[i] = Int32(0)
+        for i in cutlass.range(gtid, E, gstride, unroll=1):
+            counts[(1 - parity) * E + i] = Int32(0)
+        num_tokens = Int32(cute.size(mIdx, mode=[0]))
+        for q in cutlass.range(gtid, num_tokens * k, gstride, unroll=1):
+            e = mIdx[q // k, q % k]
+            if e >= 0 and e < world * E:
+                owner = e // E
+                cnt = self.peer(peer_ptrs, "counts", owner, world, Int32, 4)
+                tok_slot[q] = cute.arch.atomic_add((cnt + (parity * E + e - owner * E)).llvm_ptr, Int32(1),
+                                                   sem="relaxed", scope="sys")
+            elif e != -1:
+                fl.record_error(errors, Int32(ERR_BAD_EXPERT), bidx, e)
+
+    @cute.jit
+    def cross_rank_barrier(self, barrier, peer_ptrs, target: Int64, world, errors, timeout_ns, tidx, bidx):
+        """Every thread of the CTA: its stores so far are performed at system scope before any rank passes.
+        Thread 0 fences (cumulative after the CTA barrier), adds one arrival on every rank's monotone counter
+        and waits (bounded) for this launch's ``target`` on its own."""
+        cute.arch.sync_threads()
+        if tidx == 0:
+            cute.arch.fence_acq_rel_sys()
+            for j in cutlass.range(world, unroll=1):
+                ptr = self.peer(peer_ptrs, "barrier", j, world, Int64, 8)
+                cute.arch.red(ptr.llvm_ptr, Int64(1), op="add", dtype="u64", sem="release", scope="sys")
+            fl.wait_geq(barrier, Int32(0), target, timeout_ns, errors, Int32(fl.ERR_GRID_BARRIER_TIMEOUT), bidx,
+                        "sys", 0, True)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def dispatch(self, mX, mIdx, mWgt, tok_slot, peer_ptrs, s_owner, s_row_off, s_ntok, parity, rank, world,
+                 max_tokens, tidx, bidx, grid):
+        """Every owner's expert row offsets into shared memory, then one warp per routed (t, k) pushes the token
+        row, its source slot and its weight into the owner's pool."""
+        E = self.num_local_experts
+        k = self.top_k
+        H = self.hidden
+        for i in cutlass.range(tidx, world * E, NUM_THREADS, unroll=1):
+            owner = i // E
+            cnt = self.peer(peer_ptrs, "counts", owner, world, Int32, 4)
+            s_owner[i] = cute.arch.load((cnt + (parity * E + i - owner * E)).llvm_ptr, Int32, sem="relaxed",
+                                        scope="sys")
+        cute.arch.sync_threads()
+        # per owner, one thread turns counts into exclusive row offsets (rows of BLOCK_M): E adds, a few us
+        for owner in cutlass.range(tidx, world, NUM_THREADS, unroll=1):
+            run = Int32(0)
+            for e in cutlass.range(E, unroll=1):
+                n = s_owner[owner * E + e]
+                if owner == rank:
+                    s_ntok[e] = n
+                    s_row_off[e] = run
+                s_owner[owner * E + e] = run
+                run = run + (n + BLOCK_M - 1) // BLOCK_M
+            if owner == rank:
+                s_row_off[E] = run
+        cute.arch.sync_threads()
+        lane = tidx % 32
+        gwarp = bidx * (NUM_THREADS // 32) + tidx // 32
+        gwarps = grid * (NUM_THREADS // 32)
+        num_tokens = Int32(cute.size(mIdx, mode=[0]))
+        vec = 8  # bf16 per 128-bit store
+        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        for q in cutlass.range(gwarp, num_tokens * k, gwarps, unroll=1):
+            t = q // k
+            e = mIdx[t, q % k]
+            if e >= 0 and e < world * E:
+                owner = e // E
+                row = s_owner[e] * BLOCK_M + tok_slot[q]
+                src = mX.iterator + cute.assume(Int64(t) * H, divby=vec)
+                dst = (self.peer(peer_ptrs, "pool", owner, world, self.dtype, 16)
+                       + cute.assume(Int64(row) * H, divby=vec))
+                frag = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
+                for v in cutlass.range(lane, H // vec, 32, unroll=2):
+                    off = cute.assume(v * vec, divby=vec)
+                    cute.copy(copy_atom, cute.make_tensor(src + off, cute.make_layout(vec)), frag)
+                    cute.copy(copy_atom, frag, cute.make_tensor(dst + off, cute.make_layout(vec)))
+                if lane == 0:
+                    ps = self.peer(peer_ptrs, "pool_src", owner, world, Int32, 4)
+                    pw = self.peer(peer_ptrs, "pool_w", owner, world, Float32, 4)
+                    cute.arch.store((ps + row).llvm_ptr, Int32(rank * max_tokens * k + q))
+                    cute.arch.store((pw + row).llvm_ptr, Float32(mWgt[t, q % k]))
+
+    # ---------------------------------------------------------------- phase 3: the producer warp
+    @cute.jit
+    def load(self, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, storage, sA_layout, sB_layout, pipe, walk,
+             l1_done, errors, timeout_ns):
+        """Per tile of the walk: (L2) wait for its row's L1 half-tiles, then its K blocks of A and B."""
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        order, s_row_off, num_rows, epw, lead, bidx, grid = walk
+        E = self.num_local_experts
+        # the pool rows arrived by generic-proxy stores (Dispatch, ordered by barrier B2); TMA reads them
+        cute.arch.fence_proxy("async.global")
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        cursor = ts.initial_cursor(order, bidx)
+        found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
+                                                 self.n1, self.n2, E)
+        while found != 0:
+            e = ts.expert_of_row(s_row_off, p, E)
+            if kind == ts.KIND_L1:
+                load_a, _, _ = copy_utils.tma_get_copy_fn(tma_x, 0, cute.make_layout(1), cute.local_tile(
+                    gX, (BLOCK_M, BLOCK_K), (p, None)), sA)
+                load_b, _, _ = copy_utils.tma_get_copy_fn(tma_w1, 0, cute.make_layout(1), cute.local_tile(
+                    gW1, (BLOCK_N, BLOCK_K), (e * self.n1 + n, None)), sB)
+                for kb in cutlass.range(self.k1, unroll=1):
+                    pipe.producer_acquire(state)
+                    load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
+                    load_b(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
+                    state.advance()
+            else:
+                fl.wait_geq(l1_done, p, Int32(self.l1_arrivals), timeout_ns, errors, Int32(ERR_L1_TIMEOUT), bidx,
+                            "gpu", 0, True)
+                # the intermediate was written by generic-proxy stores; TMA reads through the async proxy
+                cute.arch.fence_proxy("async.global")
+                load_a, _, _ = copy_utils.tma_get_copy_fn(tma_h, 0, cute.make_layout(1), cute.local_tile(
+                    gH, (BLOCK_M, BLOCK_K), (p, None)), sA)
+                load_b, _, _ = copy_utils.tma_get_copy_fn(tma_w2, 0, cute.make_layout(1), cute.local_tile(
+                    gW2, (BLOCK_N, BLOCK_K), (e * self.n2 + n, None)), sB)
+                for kb in cutlass.range(self.k2, unroll=1):
+                    pipe.producer_acquire(state)
+                    load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
+                    load_b(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
+                    state.advance()
+            found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
+                                                     self.n1, self.n2, E)
+        pipe.producer_tail(state)
+
+    # ---------------------------------------------------------------- phase 3: the MMA warpgroups
+    @cute.jit
+    def mainloop(self, mma, acc, tCrA, tCrB, pipe, state, n_kb):
+        """acc = A B over ``n_kb`` K blocks; one WGMMA group in flight, each stage released once read. Returns
+        the state and (instrument) when the first K block had arrived: the MMA side's wait at tile entry."""
+        pipe.consumer_wait(state)
+        t_data = Int64(0)
+        if const_expr(self.instrument):
+            t_data = cute.arch.globaltimer()
+        sm90_utils.gemm_w_idx(mma, acc, tCrA, tCrB, zero_init=True, A_idx=state.index, B_idx=state.index,
+                              wg_wait=-1)
+        prev = state.clone()
+        state.advance()
+        for _ in cutlass.range(n_kb - 1, unroll=1):
+            pipe.consumer_wait(state)
+            sm90_utils.gemm_w_idx(mma, acc, tCrA, tCrB, zero_init=False, A_idx=state.index, B_idx=state.index,
+                                  wg_wait=1)
+            pipe.consumer_release(prev)
+            prev = state.clone()
+            state.advance()
+        warpgroup.wait_group(0)
+        pipe.consumer_release(prev)
+        return state, t_data
+
+    @cute.jit
+    def mma(self, mInter, pool_src, pool_w, peer_ptrs, records, storage, layouts, mma, mma_half, pipe, walk,
+            s_ntok, l1_done, world, max_tokens, rec_cap, tidx):
+        """The two MMA warpgroups: per tile of the walk its mainloop, then the epilogue of each warpgroup's 64
+        rows (L1: SwiGLU x weight to the intermediate and the row's counter; L2: rows to their source ranks)."""
+        sA_layout, sB_layout, sC_layout, sH_layout = layouts
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+        sH = storage.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)
+        order, s_row_off, num_rows, epw, lead, bidx, grid = walk
+        E = self.num_local_experts
+        H, I, k = self.hidden, self.intermediate, self.top_k
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        wg_mma = mma.get_slice(wg * WG_THREADS)
+        wg_half = mma_half.get_slice(wg * WG_THREADS)
+        acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(wg_mma, (BLOCK_M, BLOCK_N, BLOCK_K), sA, sB)
+        acc_h = cute.make_rmem_tensor(wg_half.partition_shape_C((BLOCK_M, BLOCK_N // 2)), Float32)
+        st_atom = copy_utils.get_smem_store_atom(self.dtype)
+        thr_c = cute.make_tiled_copy_C(st_atom, mma).get_slice(tidx)
+        thr_h = cute.make_tiled_copy_C(st_atom, mma_half).get_slice(tidx)
+        tCsC = thr_c.partition_D(sC)
+        tHsH = thr_h.partition_D(sH)
+        store_c = WarpgroupTileStore.create(self.dtype, cute.local_tile(sC, (64, BLOCK_N), (wg, 0)), BLOCK_N, 64,
+                                            WG_THREADS, tidx % WG_THREADS)
+        store_h = WarpgroupTileStore.create(self.dtype, cute.local_tile(sH, (64, BLOCK_N // 2), (wg, 0)),
+                                            BLOCK_N // 2, 64, WG_THREADS, tidx % WG_THREADS)
+        # this thread's accumulator rows (within the 128-row tile), for the router weight
+        rows_c = layout_utils.reshape_acc_to_mn(mma.get_slice(tidx).partition_C(
+            cute.make_identity_tensor((BLOCK_M, BLOCK_N))))
+        staging_c = (st_atom, thr_c, tCsC, store_c)
+        staging_h = (st_atom, thr_h, tHsH, store_h)
+        bar = NamedBarrierMoE.Epilogue + wg
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        cursor = ts.initial_cursor(order, bidx)
+        found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
+                                                 self.n1, self.n2, E)
+        j_rec = Int32(0)
+        while found != 0:
+            e = ts.expert_of_row(s_row_off, p, E)
+            m = p - s_row_off[e]
+            valid = cutlass.min(s_ntok[e] - m * BLOCK_M, Int32(BLOCK_M))
+            if const_expr(self.instrument):
+                t_entry = cute.arch.globaltimer()
+            n_kb = Int32(self.k1)
+            if kind == ts.KIND_L2:
+                n_kb = Int32(self.k2)
+            state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
+            if const_expr(self.instrument):
+                t_mma = cute.arch.globaltimer()
+            row0 = p * BLOCK_M + wg * 64  # this warpgroup's first pool row
+            t_rs = Int64(0)
+            if kind == ts.KIND_L1:
+                self.epilogue_l1(acc, acc_h, staging_h, pool_w, mInter, l1_done, p, n, row0, rows_c, bar, tidx)
+            else:
+                t_rs = self.epilogue_l2(acc, staging_c, pool_src, peer_ptrs, row0, valid - wg * 64, n, max_tokens,
+                                        world, bar)
+            if const_expr(self.instrument):
+                if tidx == 0:
+                    if j_rec < rec_cap:
+                        t_end = cute.arch.globaltimer()
+                        base_r = (Int64(bidx) * rec_cap + j_rec) * REC_FIELDS
+                        records[base_r] = (Int64(kind) << 56) | (Int64(e) << 40) | (Int64(m) << 20) | Int64(n)
+                        records[base_r + 1] = Int64(cute.arch.smid())
+                        records[base_r + 2] = t_entry
+                        records[base_r + 3] = t_data
+                        records[base_r + 4] = t_mma
+                        records[base_r + 5] = t_end
+                        records[base_r + 6] = t_rs
+                j_rec = j_rec + 1
+            found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
+                                                     self.n1, self.n2, E)
+
+    @cute.jit
+    def epilogue_l1(self, acc, acc_h, staging, pool_w, mInter, l1_done, p, n, row0, rows_c, bar, tidx):
+        """L1 tile (row p, N block n), this warpgroup's 64 rows: h = silu(gate) * up * weight in fp32 (gate and up
+        are the tile's columns [0, 64) and [64, 128): this thread holds column c and c + 64), bf16 to the
+        intermediate, then a release-add on the row's counter once every thread's stores are issued."""
+        st_atom, thr_h, tHsH, store_h = staging
+        acc_mn = layout_utils.reshape_acc_to_mn(acc)
+        h_mn = layout_utils.reshape_acc_to_mn(acc_h)
+        half_cols = cute.size(h_mn, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(h_mn, mode=[0])):
+            w = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
+            for c in cutlass.range_constexpr(half_cols):
+                g = acc_mn[r, c]
+                h_mn[r, c] = g / (Float32(1.0) + cute.math.exp(-g, fastmath=True)) * acc_mn[r, c + half_cols] * w
+        r_h = cute.make_fragment_like(acc_h, self.dtype)
+        r_h.store(acc_h.load().to(self.dtype))
+        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # sH rows free again
+        cute.copy(st_atom, thr_h.retile(r_h), tHsH)
+        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)
+        store_h.load_staged()
+        I = self.intermediate
+        base = mInter.iterator + cute.assume(Int64(row0) * I + n * (BLOCK_N // 2), divby=8)
+        store_h.burst(base, cute.assume(Int32(I), divby=BLOCK_N))
+        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)
+        if tidx % WG_THREADS == 0:
+            cute.arch.fence_acq_rel_gpu()  # cumulative: covers the warpgroup's stores ordered by the barrier
+            fl.signal_add(l1_done, p, 1, "gpu")
+
+    @cute.jit
+    def epilogue_l2(self, acc, staging, pool_src, peer_ptrs, row0, valid_rows, n, max_tokens, world, bar) -> Int64:
+        """L2 tile, this warpgroup's 64 rows: bf16 through shared memory, then the Combine's stores (returns
+        their clock64 span, the sender-visible T_RS, when instrumented)."""
+        st_atom, thr_c, tCsC, store_c = staging
+        r_c = cute.make_fragment_like(acc, self.dtype)
+        r_c.store(acc.load().to(self.dtype))
+        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # sC rows free again
+        cute.copy(st_atom, thr_c.retile(r_c), tCsC)
+        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)
+        store_c.load_staged()
+        t_rs = Int64(0)
+        if const_expr(self.instrument):
+            ck0 = cute.arch.clock64()
+        self.combine_stores(store_c, pool_src, peer_ptrs, row0, valid_rows, n, max_tokens, world)
+        if const_expr(self.instrument):
+            t_rs = Int64(cute.arch.clock64() - ck0)
+        return t_rs
+
+    @cute.jit
+    def combine_stores(self, store_c: WarpgroupTileStore, pool_src, peer_ptrs, row0, valid_rows, n, max_tokens,
+                       world):
+        """This warpgroup's staged 64 x 128 bf16 rows, each to its source rank's combine buffer row
+        (token * top_k + k), 128-bit stores; rows past the expert's tokens are not stored."""
+        slots = max_tokens * self.top_k
+        # (not the dataclass inside the dynamic branch: the DSL would try to carry its dtype field)
+        tiled_copy, thr_copy, regs = store_c.tiled_copy, store_c.thr_copy, store_c.regs
+        coords = thr_copy.partition_D(cute.make_identity_tensor((64, BLOCK_N)))
+        for c in cutlass.range_constexpr(store_c.chunks):
+            row, col = coords[0, c, 0]
+            if row < valid_rows:
+                src = pool_src[row0 + row]
+                src_rank = src // slots
+                comb = self.peer(peer_ptrs, "combine", src_rank, world, self.dtype, 16)
+                base = comb + cute.assume(Int64(src - src_rank * slots) * self.hidden + n * BLOCK_N, divby=8)
+                g_dst = cute.make_tensor(base, cute.make_layout((64, BLOCK_N), stride=(0, 1)))
+                cute.copy(tiled_copy, regs[None, c, None], thr_copy.partition_D(g_dst)[None, c, None])
+
+    # ---------------------------------------------------------------- phase 4: combine
+    @cute.jit
+    def finish(self, mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, target, e_launch, world,
+               timeout_ns, tidx, bidx, grid):
+        """The MMA warpgroups after their walk: barrier B3 over every rank, then y = sum_k combine rows (one warp
+        per token), then the last CTA advances the epoch."""
+        cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
+        if tidx == 0:
+            cute.arch.fence_acq_rel_sys()
+            for j in cutlass.range(world, unroll=1):
+                ptr = self.peer(peer_ptrs, "barrier", j, world, Int64, 8)
+                cute.arch.red(ptr.llvm_ptr, Int64(1), op="add", dtype="u64", sem="release", scope="sys")
+            fl.wait_geq(barrier, Int32(0), target, timeout_ns, errors, Int32(fl.ERR_GRID_BARRIER_TIMEOUT), bidx,
+                        "sys", 0, True)
+        cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
+        k = self.top_k
+        H = self.hidden
+        vec = 8
+        lane = tidx % 32
+        gwarp = bidx * 8 + tidx // 32
+        num_tokens = Int32(cute.size(mIdx, mode=[0]))
+        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        frag = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
+        total = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
+        for t in cutlass.range(gwarp, num_tokens, grid * 8, unroll=1):
+            for v in cutlass.range(lane, H // vec, 32, unroll=1):
+                total.fill(0.0)
+                for j in cutlass.range_constexpr(k):
+                    if mIdx[t, j] >= 0:
+                        src = mComb.iterator + cute.assume((Int64(t) * k + j) * H + v * vec, divby=vec)
+                        cute.copy(copy_atom, cute.make_tensor(src, cute.make_layout(vec)), frag)
+                        total.store(total.load() + frag.load().to(Float32))
+                frag.store(total.load().to(self.dtype))
+                dst = mY.iterator + cute.assume(Int64(t) * H + v * vec, divby=vec)
+                cute.copy(copy_atom, frag, cute.make_tensor(dst, cute.make_layout(vec)))
+        cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
+        if tidx == 0:
+            arrived = cute.arch.atomic_add(fl.elem_ptr(done, 0), Int32(1), sem="relaxed", scope="gpu")
+            if arrived == grid - 1:
+                epoch[0] = e_launch + 1
+                done[0] = Int32(0)

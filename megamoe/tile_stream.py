@@ -1,0 +1,139 @@
+"""The device side of ``megamoe.schedule``: the persistent MoE kernel's tile walk, in CuTe DSL.
+
+It mirrors :func:`megamoe.schedule.expert_wave_order` and :func:`megamoe.schedule.interleaved_scheduler`
+line by line (integers only), over the rows the Dispatch phase produced this launch: the kernel keeps
+``O_e`` (each local expert's first scheduler row, ``O[E]`` = P, the rank's row count) and ``n_e`` (its token
+rows) in shared memory. Both the producer warp and the MMA warpgroups walk the same stream, so they agree
+on every tile without talking. The GPU test ``tests/megamoe/test_megamoe_gpu.py`` checks the instrumented
+kernel's per-CTA tile order against ``megamoe.schedule`` for both orders (one source of truth).
+
+A walk's state is four Int32 (``cursor`` fields); what they mean depends on the order:
+  wave:        (i, w, base, 0): i the CTA's next list index, w its wave, base the list index of wave w's first tile;
+  interleaved: (k_1, k_2, 0, 0): Algorithm 1's pair cursors.
+"""
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+WAVE = 0
+INTERLEAVED = 1
+ORDERS = {"wave": WAVE, "interleaved": INTERLEAVED}
+KIND_L1 = 1
+KIND_L2 = 2
+
+
+@cute.jit
+def expert_of_row(s_row_off: cute.Tensor, p: Int32, num_experts: cutlass.Constexpr) -> Int32:
+    """e(p): the largest local expert whose first row O_e <= p (experts with no rows share their O_e with the
+    next one, so the largest such e is the one that owns p). A fixed number of halvings, no data-dependent
+    trip count."""
+    lo = Int32(0)
+    hi = Int32(num_experts - 1)
+    for _ in cutlass.range_constexpr(max(1, math.ceil(math.log2(num_experts + 1)))):
+        mid = (lo + hi + 1) // 2
+        if s_row_off[mid] <= p:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@cute.jit
+def wave_rows(s_row_off: cute.Tensor, w: Int32, experts_per_wave: Int32, num_experts: cutlass.Constexpr):
+    """(first row, row count) of wave ``w`` (schedule.wave_rows)."""
+    first = w * experts_per_wave
+    last = cutlass.min(first + experts_per_wave, Int32(num_experts))
+    r0 = s_row_off[first]
+    return r0, s_row_off[last] - r0
+
+
+@cute.jit
+def next_tile(order: Int32, cursor, s_row_off: cute.Tensor, num_rows: Int32, experts_per_wave: Int32,
+              lead: Int32, bidx: Int32, grid: Int32, n1: cutlass.Constexpr, n2: cutlass.Constexpr,
+              num_experts: cutlass.Constexpr):
+    """The CTA's next tile after ``cursor``: returns (found, kind, p, n, cursor'). ``order``: WAVE or
+    INTERLEAVED (a run-time choice of the same kernel). ``lead``: Algorithm 1's D as whole rows (ceil(D): the
+    rows are integers, so p_2 + D <= p_1 iff p_2 + ceil(D) <= p_1)."""
+    a, b, c, d = cursor
+    found = Int32(0)
+    kind = Int32(0)
+    p = Int32(0)
+    n = Int32(0)
+    if order == WAVE:
+        num_waves = (Int32(num_experts) + experts_per_wave - 1) // experts_per_wave
+        searching = Int32(1)
+        while searching != 0 and b < num_waves:
+            r0, nr = wave_rows(s_row_off, b, experts_per_wave, num_experts)
+            c1 = nr * n1
+            j = a - c
+            if j < nr * (n1 + n2):
+                if j < c1:
+                    kind = Int32(KIND_L1)
+                    p = r0 + j // n1
+                    n = j % n1
+                else:
+                    kind = Int32(KIND_L2)
+                    p = r0 + (j - c1) // n2
+                    n = (j - c1) % n2
+                found = Int32(1)
+                searching = Int32(0)
+                a = a + grid
+            else:
+                c = c + nr * (n1 + n2)
+                b = b + 1
+    else:
+        G = grid // 2
+        r = bidx % 2
+        P1 = (n1 + 1) // 2
+        P2 = (n2 + 1) // 2
+        end1 = num_rows * P1
+        end2 = num_rows * P2
+        searching = Int32(1)
+        while searching != 0 and (a < end1 or b < end2):
+            p1 = a // P1
+            if a >= end1:
+                p1 = num_rows + lead + 1  # +inf: every L2 row qualifies
+            p2 = b // P2
+            if b < end2 and p2 + lead <= p1:
+                kind = Int32(KIND_L2)
+                p = p2
+                n = 2 * (b % P2) + r
+                b = b + G
+                if n < n2:
+                    found = Int32(1)
+                    searching = Int32(0)
+            else:
+                kind = Int32(KIND_L1)
+                p = p1
+                n = 2 * (a % P1) + r
+                a = a + G
+                if n < n1:
+                    found = Int32(1)
+                    searching = Int32(0)
+    return found, kind, p, n, (a, b, c, d)
+
+
+@cute.jit
+def initial_cursor(order: Int32, bidx: Int32):
+    """The first cursor of CTA ``bidx``: wave, list index bidx in wave 0; interleaved, k_1 = k_2 = g = bidx // 2."""
+    a = bidx
+    b = Int32(0)
+    if order != WAVE:
+        a = bidx // 2
+        b = bidx // 2
+    return a, b, Int32(0), Int32(0)
+
+
+def lead_rows(lead: float) -> int:
+    """Algorithm 1's D (a float) as the whole rows the kernel compares with (ceil; rows are integers)."""
+    if lead < 0 or not math.isfinite(lead):
+        raise ValueError(f"the lead D must be a finite number >= 0, got {lead}")
+    return int(math.ceil(lead))
+
+
+__all__ = ["WAVE", "INTERLEAVED", "ORDERS", "KIND_L1", "KIND_L2", "expert_of_row", "next_tile",
+           "initial_cursor", "lead_rows"]

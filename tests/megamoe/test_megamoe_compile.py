@@ -1,0 +1,85 @@
+"""The MegaMoE kernel as built for sm_90a (CPU, fake tensors): WGMMA in the SASS (HGMMA), 128-bit stores for
+the dispatch, the intermediate and the combine, no spills, with and without instrumentation; the
+constructor's and the weight transform's refusals and layout. Each check asserts that what it compares was
+found."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+# (hidden, intermediate, top_k, local experts): DSv4-Flash at one rank; DiT-MoE (9 L2 N blocks: odd)
+SHAPES = [(4096, 2048, 6, 256), (1152, 4608, 2, 8)]
+
+
+def _compile(tmp_path, *shape, instrument=False):
+    from cutlass.runtime import make_fake_stream
+
+    from cute_kernels.compile import compile_kernel
+    from megamoe.kernel import MegaMoEForward
+
+    k = MegaMoEForward(*shape, instrument=instrument)
+    return compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("instrument", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_is_wgmma_with_128_bit_stores_and_no_spills(tmp_path, shape, instrument, no_spills):
+    from cute_kernels.compile import sass
+
+    c = _compile(tmp_path, *shape, instrument=instrument)
+    # the mainloop: 4 k16 WGMMAs per 64-wide K block of a 64 x 128 warpgroup tile, peeled first block + loop
+    assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16") == 8
+    assert c.ptx_count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global") >= 4  # A and B, L1 and L2
+    assert c.ptx_count(r"st\.global\.v4\.b32") + c.ptx_count(r"st\.global\.v4\.u32") >= 3, "128-bit stores"
+    assert c.ptx_count(r"st\.global\.(u16|b16|v2)") == 0, "a narrower global store crept into an epilogue"
+    assert (c.ptx_count(r"%clock64") > 0) == instrument, "the records are compiled out unless instrumented"
+    text = sass(c.cubin)
+    if text is None:
+        pytest.skip("no nvdisasm on this machine (it comes with triton): cannot read the SASS")
+    assert text.count("HGMMA.64x128x16.F32.BF16") == 8, "WGMMA in the SASS"
+    no_spills(c.ptx)
+
+
+def test_constructor_refusals():
+    from megamoe.kernel import MegaMoEForward
+
+    with pytest.raises(ValueError, match="multiple of 128"):
+        MegaMoEForward(1000, 512, 2, 8)
+    with pytest.raises(ValueError, match="top_k"):
+        MegaMoEForward(1024, 512, 0, 8)
+    with pytest.raises(ValueError, match="bf16"):
+        import cutlass
+
+        MegaMoEForward(1024, 512, 2, 8, dtype=cutlass.Float16)
+
+
+def test_transform_weights_interleaves_gate_and_up_by_64(seed):
+    from megamoe.api import transform_weights
+
+    g = torch.Generator().manual_seed(seed)
+    E, H, I = 4, 128, 256
+    w1 = torch.randn(E, 2 * I, H, generator=g)
+    w2 = torch.randn(E, H, I, generator=g)
+    w1t, w2t = transform_weights(w1, w2, range(1, 3))
+    assert w1t.shape == (2 * 2 * I, H) and w2t.shape == (2 * H, I)
+    for j, e in enumerate((1, 2)):
+        for n in range(2 * I // 128):
+            block = w1t[(j * 2 * I) + n * 128:(j * 2 * I) + (n + 1) * 128]
+            assert torch.equal(block[:64], w1[e, 64 * n:64 * n + 64]), (e, n, "gate")
+            assert torch.equal(block[64:], w1[e, I + 64 * n:I + 64 * n + 64]), (e, n, "up")
+        assert torch.equal(w2t[j * H:(j + 1) * H], w2[e])
+
+
+def test_layer_refusals():
+    from megamoe.api import _check_layer
+
+    with pytest.raises(ValueError, match="multiples of 128"):
+        _check_layer(8, 2, 1000, 512, 1, 64)
+    with pytest.raises(ValueError, match="divisible by the world size"):
+        _check_layer(6, 2, 1024, 512, 4, 64)
+    with pytest.raises(ValueError, match="top_k"):
+        _check_layer(4, 8, 1024, 512, 1, 64)
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        _check_layer(8, 2, 1024, 512, 1, 0)

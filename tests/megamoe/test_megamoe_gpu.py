@@ -1,0 +1,199 @@
+"""MegaMoE on one GPU: world size 1 and P = 2, 4 ranks emulated (concurrent launches on P streams, SMs / P
+CTAs each, pointer tables into each other's buffers), against the fp32 reference with the kernel's roundings
+(h and each expert's output row in bf16), poisoned outputs, fresh seeded inputs.
+
+Tolerance: ||y - ref|| / ||ref|| <= 1e-2 and max |y - ref| <= 3e-2 * max |ref| (bf16 output, fp32 accumulation
+in a different order, fast exp in SiLU: an h near a bf16 rounding boundary may round the other way)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper: sm_90a)")
+
+SMALL = dict(hidden=1152, intermediate=512)  # 9 L2 N blocks: the interleaved order's odd-count pair slot
+
+
+def _weights(num_experts, hidden, intermediate, seed):
+    g = torch.Generator().manual_seed(seed)
+    w1 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / hidden ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(num_experts, hidden, intermediate, generator=g) / intermediate ** 0.5).to(torch.bfloat16)
+    return w1.cuda(), w2.cuda()
+
+
+def _inputs(tokens, num_experts, top_k, mode, seed, hidden, drop=0.0):
+    from megamoe.reference import make_routing
+
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+    idx, w = make_routing(tokens, num_experts, top_k, mode, seed, "cuda")
+    if drop:
+        mask = torch.rand(tokens, top_k, generator=g) < drop
+        idx = torch.where(mask.cuda(), torch.full_like(idx, -1), idx)
+    return x, idx, w
+
+
+def _reference(x, idx, w, w1, w2):
+    from megamoe.reference import reference_moe
+
+    return reference_moe(x, idx, w, w1, w2, dtype=torch.float32, intermediate_dtype=torch.bfloat16,
+                         combine_dtype=torch.bfloat16)
+
+
+def _close(y, ref, what):
+    y = y.float()
+    assert torch.isfinite(y).all(), f"{what}: non-finite output"
+    scale = ref.abs().max().clamp_min(1e-6)
+    rel = ((y - ref).norm() / ref.norm().clamp_min(1e-6)).item()
+    worst = ((y - ref).abs().max() / scale).item()
+    assert rel <= 1e-2 and worst <= 3e-2, f"{what}: relative error {rel:.3g}, worst {worst:.3g}"
+
+
+def _layer(num_experts, top_k, tokens, **kw):
+    from megamoe.api import MegaMoE
+
+    return MegaMoE(None, num_experts, top_k, SMALL["hidden"], SMALL["intermediate"],
+                   max_tokens_per_rank=max(tokens, 1), **kw)
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k,mode,drop", [
+    (300, 8, 2, "balanced", 0.0), (1000, 8, 2, "skewed", 0.0), (127, 16, 1, "balanced", 0.0),
+    (129, 16, 6, "skewed", 0.1), (513, 16, 8, "balanced", 0.0), (200, 8, 2, "one_expert", 0.0),
+    (1, 8, 2, "balanced", 0.0)])
+def test_world1_matches_reference_both_schedules_bit_equal(seed, tokens, num_experts, top_k, mode, drop):
+    moe = _layer(num_experts, top_k, tokens)
+    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    x, idx, w = _inputs(tokens, num_experts, top_k, mode, seed, SMALL["hidden"], drop)
+    ref = _reference(x, idx, w, w1, w2)
+    ys = {}
+    for schedule in ("wave", "interleaved", "wave"):  # twice "wave": a second launch reuses every buffer
+        y = torch.full_like(x, float("nan"))
+        moe.launch(x, idx, w, y, schedule)
+        moe.check_errors()
+        _close(y, ref, f"{schedule} seed={seed}")
+        ys.setdefault(schedule, []).append(y)
+    assert torch.equal(ys["wave"][0], ys["interleaved"][0]), f"the two schedules differ (seed={seed})"
+    assert torch.equal(ys["wave"][0], ys["wave"][1]), f"a second launch differs (seed={seed})"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_emulated_ranks_match_reference(seed, world):
+    from megamoe.api import EmulatedMoE
+
+    num_experts, top_k = 16, 2
+    tokens = [333, 0, 200, 129][:world]  # rank 1 has no tokens
+    moe = EmulatedMoE(world, num_experts, top_k, SMALL["hidden"], SMALL["intermediate"], max_tokens_per_rank=400)
+    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    ins = [_inputs(t, num_experts, top_k, "skewed", seed + r, SMALL["hidden"]) for r, t in enumerate(tokens)]
+    for schedule in ("interleaved", "wave", "interleaved"):
+        ys = moe.forward([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins], schedule)
+        torch.cuda.synchronize()
+        moe.check_errors()
+        for r, (y, (x, idx, w)) in enumerate(zip(ys, ins)):
+            if tokens[r]:
+                _close(y, _reference(x, idx, w, w1, w2), f"rank {r}/{world} {schedule} seed={seed}")
+
+
+@pytest.mark.parametrize("schedule", ["wave", "interleaved"])
+def test_instrumented_tile_order_is_the_schedule(seed, schedule):
+    """The kernel's per-CTA tile order (its records) is megamoe.schedule's stream, tile for tile."""
+    from megamoe import schedule as sched
+
+    num_experts, top_k, tokens = 8, 2, 1500
+    moe = _layer(num_experts, top_k, tokens, instrument=True)
+    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    x, idx, w = _inputs(tokens, num_experts, top_k, "skewed", seed, SMALL["hidden"])
+    y = moe.forward(x, idx, w, schedule)
+    moe.check_errors()
+    _close(y, _reference(x, idx, w, w1, w2), f"instrumented {schedule}")
+    counts = torch.bincount(idx.flatten().long(), minlength=num_experts).tolist()
+    work = sched.RankWork(moe.shape, tuple(counts))
+    if schedule == "wave":
+        want = sched.expert_wave_order(work, moe.grid, moe.experts_per_wave(tokens))
+    else:
+        want = sched.interleaved_order(work, moe.grid, moe.lead_rows)
+    dump = moe.last_dump()
+    kinds = {1: sched.L1, 2: sched.L2}
+    got = [[] for _ in range(moe.grid)]
+    for c, s, k, e, m, n in zip(dump["cta"], dump["slot"], dump["kind"], dump["expert"], dump["m"], dump["n"]):
+        got[int(c)].append((int(s), sched.Tile(kinds[int(k)], int(e), int(m), int(n))))
+    assert sum(len(s) for s in want.streams) > 0
+    for c in range(moe.grid):
+        assert [t for _, t in sorted(got[c])] == list(want.streams[c]), f"CTA {c} ({schedule})"
+    l2 = dump["kind"] == 2
+    assert (dump["t_rs"][l2] > 0).all() and (dump["t_end"] >= dump["t_entry"]).all()
+
+
+def test_graph_replays_with_changing_inputs(seed):
+    """1,000 CUDA-Graph replays over 4 input sets copied into the captured inputs: every replay's output equals
+    that set's eager output bit for bit (counted on the GPU), and the eager outputs match the reference."""
+    num_experts, top_k, tokens = 8, 2, 256
+    moe = _layer(num_experts, top_k, tokens)
+    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    sets = [_inputs(tokens, num_experts, top_k, mode, seed + i, SMALL["hidden"])
+            for i, mode in enumerate(("balanced", "skewed", "one_expert", "balanced"))]
+    eager = []
+    for x, idx, w in sets:
+        y = moe.forward(x, idx, w)
+        _close(y, _reference(x, idx, w, w1, w2), "eager")
+        eager.append(y.clone())
+    sx, si, sw = (t.clone() for t in sets[0])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe.forward(sx, si, sw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = moe.forward(sx, si, sw)
+    bad = torch.zeros((), dtype=torch.int64, device="cuda")
+    for r in range(1000):
+        x, idx, w = sets[r % 4]
+        sx.copy_(x)
+        si.copy_(idx)
+        sw.copy_(w)
+        graph.replay()
+        bad += (y_static != eager[r % 4]).any().long()
+    torch.cuda.synchronize()
+    moe.check_errors()
+    assert int(bad) == 0, f"{int(bad)} of 1000 replays differ from their eager output (seed={seed})"
+
+
+def test_bad_inputs_raise_before_launch(seed):
+    moe = _layer(8, 2, 64)
+    x, idx, w = _inputs(64, 8, 2, "balanced", seed, SMALL["hidden"])
+    with pytest.raises(ValueError, match="load_weights"):
+        moe.forward(x, idx, w)
+    moe.load_weights(*_weights(8, SMALL["hidden"], SMALL["intermediate"], seed))
+    with pytest.raises(ValueError, match="expert ids"):
+        moe.forward(x, torch.where(idx == 0, torch.full_like(idx, 8), idx), w)
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        moe.forward(torch.cat([x, x]), torch.cat([idx, idx]), torch.cat([w, w]))
+    with pytest.raises(ValueError, match="int32"):
+        moe.forward(x, idx.long(), w)
+    with pytest.raises(ValueError, match="bfloat16"):
+        moe.forward(x.float(), idx, w)
+    with pytest.raises(ValueError, match="top_k"):
+        moe.forward(x, idx[:, :1].contiguous(), w[:, :1].contiguous())
+    with pytest.raises(ValueError, match="schedule"):
+        moe.forward(x, idx, w, "fast")
+
+
+def test_missing_peer_times_out_into_the_error_word(seed):
+    """Emulated P = 2 with only rank 0 launched: its cross-rank barriers time out (bounded), the kernel
+    finishes, and check_errors names the barrier."""
+    from cute_kernels.runtime import XStageKernelError
+    from megamoe.api import EmulatedMoE
+
+    moe = EmulatedMoE(2, 8, 2, SMALL["hidden"], SMALL["intermediate"], max_tokens_per_rank=64)
+    moe.load_weights(*_weights(8, SMALL["hidden"], SMALL["intermediate"], seed))
+    x, idx, w = _inputs(64, 8, 2, "balanced", seed, SMALL["hidden"])
+    r0 = moe.ranks[0]
+    r0.launch(x, idx, w, torch.empty_like(x))
+    torch.cuda.synchronize()
+    with pytest.raises(XStageKernelError, match="barrier"):
+        r0.check_errors()
