@@ -1,13 +1,543 @@
-"""``xstage bench megamoe``: the MegaMoE benchmark's place. Not built yet (issue 28): the command exists so its
-flags land here, and until then it says so and exits 2."""
+"""``xstage bench megamoe``: the MegaMoE layer on one GPU (issue 28, item 7), every column side by side in one
+process, each timed by CUDA-Graph replay in interleaved rounds (a fresh random order each round,
+``benchmarks.timing.measure_rounds``), with the roofline from ceilings measured in the same run.
+
+Rows: --shapes (presets below) x --world (1, or P = 2 ranks emulated on the one GPU) x --tokens (per rank) x
+--routing (megamoe.reference.make_routing). Columns (COLUMNS):
+  unfused_bf16           sort by expert, torch._grouped_mm, SwiGLU x weight, torch._grouped_mm, index_add_
+  unfused_fp8            the same with torch._scaled_grouped_mm, row-wise scales (benchmarks.moe_baselines)
+  ours_<dtype>_<sched>   megamoe.api.MegaMoE, dtype bf16 or fp8 (e4m3 W8A8), schedule wave or interleaved:
+                         one instance per dtype, the schedule chosen per call (forward(..., schedule=...)).
+At world P every column does the P ranks' work, P x tokens rows of x, on the one GPU: ours as P concurrent
+emulated ranks (MegaMoE(..., emulated_ranks=P) on x stacked rank by rank, or the API's EmulatedMoE on per-rank
+views of it), the unfused paths as one call over all of it; the roofline counts the same work. A column that
+is missing, unsupported or left out by --columns is recorded as {"skipped": reason}, one that raised as
+{"failed": reason}: none is silently absent.
+Per timed column: µs per call, effective TFLOP/s (2 rows (2IH + IH) / t), roofline efficiency (roofline / t,
+the dtype's roofline: benchmarks.moe_baselines.roofline_terms) and, for ours, the speedup over the unfused
+path of the same dtype; the error against megamoe.reference (fp32, h rounded to bf16 for bf16 columns, the
+same FP8 quantization for ours_fp8; unfused_fp8's row-wise recipe against the unquantized reference).
+--dump FILE: one instrumented launch per ours column and row (MegaMoE(..., instrument=True).last_dump()),
+the arrays in FILE.npz and what they are in FILE.json.
+"""
 from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from dataclasses import asdict, dataclass
 
 from calibrate.cli import UsageError
 
 
+@dataclass(frozen=True)
+class Preset:
+    """A MoE layer: hidden (L1's K, L2's N), intermediate (per expert; L1's N is 2x), experts, top-k."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+
+
+PRESETS = {p.name: p for p in (Preset("dsv4-flash", 4096, 2048, 256, 6),  # DeepSeek-V4-Flash-like
+                               Preset("qwen3-moe", 4096, 1536, 128, 8),  # Qwen3-MoE-like
+                               Preset("dit-moe", 1152, 4608, 8, 2))}  # DiT-MoE-like
+ROUTINGS = ("balanced", "skewed", "one_expert")  # megamoe.reference.ROUTING_MODES (a test keeps them equal)
+SCHEDULES = ("wave", "interleaved")
+DTYPES = ("bf16", "fp8")
+COLUMNS = ("unfused_bf16", "unfused_fp8", *(f"ours_{d}_{s}" for d in DTYPES for s in SCHEDULES))
+WORLDS = (1, 2)
+DEFAULT_OUT = "benchmarks/results/h200/megamoe.json"
+
+
+# --- arguments ------------------------------------------------------------------------------------------------
+
+def _comma_list(text: str, what: str, choices=None, convert=str) -> list:
+    import argparse
+
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"no {what} given")
+    out = []
+    for s in items:
+        try:
+            value = convert(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad {what} {s!r}") from None
+        if choices is not None and value not in choices:
+            raise argparse.ArgumentTypeError(f"unknown {what} {s!r} (choose from {', '.join(map(str, choices))})")
+        out.append(value)
+    return list(dict.fromkeys(out))  # order kept, repeats dropped
+
+
+def _shapes(text):
+    return [PRESETS[n] for n in _comma_list(text, "shape", PRESETS)]
+
+
+def _tokens(text):
+    import argparse
+
+    out = _comma_list(text, "token count", convert=int)
+    if any(t <= 0 for t in out):
+        raise argparse.ArgumentTypeError(f"token counts must be positive, got {text}")
+    return out
+
+
 def add_arguments(p) -> None:
-    """No options yet: the benchmark's flags come with it (issue 28)."""
+    presets = "; ".join(f"{n}: {s.hidden}/{s.intermediate}, {s.num_experts} experts, top-{s.top_k}"
+                        for n, s in PRESETS.items())
+    p.add_argument("--shapes", type=_shapes, default=list(PRESETS.values()), metavar="LIST",
+                   help=f"comma-separated presets ({presets}); default all")
+    p.add_argument("--tokens", type=_tokens, default=[1024, 4096, 8192], metavar="LIST",
+                   help="tokens per rank, comma-separated (need not be multiples of 128; default 1024,4096,8192)")
+    p.add_argument("--routing", type=lambda t: _comma_list(t, "routing", ROUTINGS), default=["balanced", "skewed"],
+                   metavar="LIST", help=f"comma-separated, of {', '.join(ROUTINGS)} (default balanced,skewed)")
+    p.add_argument("--world", type=lambda t: _comma_list(t, "world size", WORLDS, int), default=[1, 2],
+                   metavar="LIST", help="1 and/or 2 (P = 2 ranks emulated on the one GPU); default 1,2")
+    p.add_argument("--columns", type=lambda t: _comma_list(t, "column", COLUMNS), default=list(COLUMNS),
+                   metavar="LIST", help=f"comma-separated, of {', '.join(COLUMNS)} (default all)")
+    p.add_argument("--replays", type=int, default=10, help="interleaved rounds (default 10)")
+    p.add_argument("--calls-per-graph", type=int, default=2, help="calls per captured graph (default 2)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="result JSON, rewritten after every row")
+    p.add_argument("--png", default=None, help="the figure (default: the JSON's name with .png)")
+    p.add_argument("--dump", default=None, metavar="FILE",
+                   help="per-tile instrumentation of ours: FILE.npz (arrays) and FILE.json (header)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights, inputs and routing of every row")
+    p.add_argument("--tmp", default="/tmp", help="where the one-rank process group's rendezvous file goes")
+
+
+# --- the pieces of a row --------------------------------------------------------------------------------------
+
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
+def row_seed(seed: int, *parts) -> int:
+    """A row's (or a preset's weights') seed: stable across runs and distinct per row."""
+    return zlib.crc32("/".join(map(str, (seed, *parts))).encode()) & 0x7FFFFFFF
+
+
+def load_api():
+    """(the megamoe.api module, None), or (None, why): the API is written beside this benchmark, so it may be
+    missing. Used: ``MegaMoE`` and, where MegaMoE takes no ``emulated_ranks`` yet, ``EmulatedMoE``."""
+    try:
+        import megamoe.api as api
+    except Exception as e:  # noqa: BLE001 - an API that does not import is a skipped column, with why
+        return None, f"megamoe.api unavailable ({_reason(e)})"
+    return api, None
+
+
+class RankLists:
+    """``EmulatedMoE`` (per-rank lists in and out) behind MegaMoE's one-tensor forward: x (P*T, H) stacked
+    rank by rank, split into views per call. forward returns the P outputs as a list (the bench concatenates
+    them for the check outside the timed call, so no extra copy is timed); last_dump concatenates the ranks'
+    records with a ``rank`` array."""
+
+    def __init__(self, emulated, world: int):
+        self.emulated, self.world = emulated, world
+
+    def load_weights(self, w1, w2):
+        self.emulated.load_weights(w1, w2)
+
+    def forward(self, x, topk_idx, topk_weights, schedule=None):
+        t = x.shape[0] // self.world
+        parts = [[a[r * t:(r + 1) * t] for r in range(self.world)] for a in (x, topk_idx, topk_weights)]
+        return self.emulated.forward(*parts, schedule=schedule)
+
+    def last_dump(self) -> dict:
+        import numpy as np
+
+        dumps = [m.last_dump() for m in self.emulated.ranks]
+        out = {k: np.concatenate([d[k] for d in dumps]) for k in dumps[0]}
+        out["rank"] = np.concatenate([np.full(len(next(iter(d.values()), [])), r) for r, d in enumerate(dumps)])
+        return out
+
+
+def make_weights(preset: Preset, seed: int, device):
+    """w1 (E, 2I, H) and w2 (E, H, I) bf16, N(0, 1/K) so every stage's output stays O(1); drawn expert by
+    expert so the fp32 temporary stays one expert's size."""
+    import torch
+
+    e, h, i = preset.num_experts, preset.hidden, preset.intermediate
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w1 = torch.empty(e, 2 * i, h, dtype=torch.bfloat16, device=device)
+    w2 = torch.empty(e, h, i, dtype=torch.bfloat16, device=device)
+    for x in range(e):
+        w1[x] = torch.randn(2 * i, h, generator=gen, device=device) * h ** -0.5
+        w2[x] = torch.randn(h, i, generator=gen, device=device) * i ** -0.5
+    return w1, w2
+
+
+def build_ours(api, group, preset: Preset, world: int, tokens: int, w1, w2, dtypes, instrument: bool = False):
+    """{dtype: a loaded layer, or the reason there is none}, max_tokens_per_rank = tokens. World P > 1:
+    MegaMoE(..., emulated_ranks=P), else the API's EmulatedMoE behind ``RankLists``."""
+    import inspect
+
+    import torch
+
+    module, why = api
+    out = {}
+    for d in dtypes:
+        if module is None:
+            out[d] = why
+            continue
+        dtype = torch.bfloat16 if d == "bf16" else torch.float8_e4m3fn
+        kwargs = {"dtype": dtype, "schedule": "interleaved", "lead": None, "max_tokens_per_rank": tokens}
+        if instrument:
+            kwargs["instrument"] = True
+        shape = (preset.num_experts, preset.top_k, preset.hidden, preset.intermediate)
+        try:
+            cls = module.MegaMoE
+            params = inspect.signature(cls).parameters
+            if world == 1:
+                moe = cls(group, *shape, **kwargs)
+            elif "emulated_ranks" in params or not hasattr(module, "EmulatedMoE"):
+                moe = cls(group, *shape, emulated_ranks=world, **kwargs)
+            else:
+                emu_params = inspect.signature(module.EmulatedMoE).parameters
+                if "dtype" not in emu_params:
+                    if d != "bf16":
+                        raise ValueError(f"EmulatedMoE takes no dtype: bf16 only, not {d}")
+                    kwargs.pop("dtype")
+                moe = RankLists(module.EmulatedMoE(world, *shape, **kwargs), world)
+            moe.load_weights(w1, w2)
+            out[d] = moe
+        except Exception as e:  # noqa: BLE001 - e.g. no emulated ranks yet, or a dtype not built yet
+            extra = next((k for k in ("emulated_ranks", "instrument") if k in str(e)), None)
+            out[d] = (f"MegaMoE takes no {extra} yet ({_reason(e)})" if extra and isinstance(e, TypeError)
+                      else f"MegaMoE({d}) unsupported here: {_reason(e)}")
+    return out
+
+
+def output_error(got, ref) -> dict:
+    """Max |got - ref|, that over max |ref| (relative to the output's scale: elementwise ratios are
+    meaningless where y crosses 0), and whether every output is finite."""
+    import torch
+
+    d = (got.float() - ref.float()).abs()
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    worst = float(d.max()) if d.numel() else 0.0
+    return {"max_abs": worst, "max_rel": worst / scale if scale > 0 else None,
+            "finite": bool(torch.isfinite(got).all())}
+
+
+def column_calls(x, idx, wts, w1, w2, fp8w, fp8_why: str | None, ours: dict, wanted) -> dict:
+    """{column: a call, or {"skipped": why}} for one row, every column of COLUMNS present."""
+    from benchmarks.moe_baselines import unfused_bf16_moe, unfused_fp8_moe
+
+    cols = {"unfused_bf16": lambda: unfused_bf16_moe(x, idx, wts, w1, w2),
+            "unfused_fp8": {"skipped": fp8_why} if fp8_why else (lambda: unfused_fp8_moe(x, idx, wts, fp8w))}
+    for d in DTYPES:
+        for s in SCHEDULES:
+            m = ours.get(d, "not built")
+            cols[f"ours_{d}_{s}"] = ({"skipped": m} if isinstance(m, str)
+                                     else (lambda m=m, s=s: m.forward(x, idx, wts, schedule=s)))
+    return {n: (c if n in wanted else {"skipped": "left out by --columns"}) for n, c in cols.items()}
+
+
+def column_dtype(name: str) -> str:
+    return "fp8" if "fp8" in name else "bf16"
+
+
+def derive(row: dict) -> None:
+    """Speedups over the unfused path of the same dtype, and interleaved / wave time per dtype."""
+    cols = row["columns"]
+    for d in DTYPES:
+        base = cols[f"unfused_{d}"].get("us")
+        for s in SCHEDULES:
+            c = cols[f"ours_{d}_{s}"]
+            if "us" in c and base:
+                c["speedup_vs_unfused"] = base / c["us"]
+        wave, inter = (cols[f"ours_{d}_{s}"].get("us") for s in SCHEDULES)
+        row["interleaved_over_wave"][d] = inter / wave if wave and inter else None
+
+
+def dump_summary(arrays: dict) -> dict:
+    """What each dumped array is (shape, dtype) and, for a non-empty numeric one, its median."""
+    import numpy as np
+
+    out = {}
+    for name, a in arrays.items():
+        a = np.asarray(a)
+        entry = {"shape": list(a.shape), "dtype": str(a.dtype)}
+        if a.size and np.issubdtype(a.dtype, np.number):
+            entry["median"] = float(np.median(a))
+        out[name] = entry
+    return out
+
+
+# --- a run ------------------------------------------------------------------------------------------------------
+
+def bench(args, group, *, device="cuda", ceilings=None, capture=None, timer=None, api=None) -> dict:
+    """Every row of ``args`` (add_arguments' namespace; --shapes may hold any Preset), written to args.out
+    (and its figure) after every row. The keyword arguments replace the GPU parts for a test: ``ceilings``
+    (measure_ceilings' dict), ``capture(fn)`` -> (graph or None, how), ``timer(columns)`` -> (medians µs,
+    per-round times) as measure_rounds, ``api`` as load_api returns."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.moe_baselines import fp8_grouped_unavailable, fp8_rowwise_weights, measure_ceilings
+    from benchmarks.timing import capture_graph, measure_rounds
+
+    torch.set_grad_enabled(False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
+    ctx = SimpleNamespace(args=args, device=device)
+    ctx.ceilings = ceilings if ceilings is not None else measure_ceilings(group, replays=args.replays)
+    ctx.capture = capture or (lambda fn: capture_graph(fn, args.calls_per_graph, group))
+    ctx.timer = timer or (lambda cols: measure_rounds(cols, args.calls_per_graph, args.replays, group))
+    api = api or load_api()
+    ctx.fp8_why = fp8_grouped_unavailable(str(device)) if "unfused_fp8" in args.columns else None
+    ours_dtypes = [d for d in DTYPES if any(f"ours_{d}_{s}" in args.columns for s in SCHEDULES)]
+    result = {"command": "xstage bench megamoe " + " ".join(_argv()), "ceilings": ctx.ceilings,
+              "api_unavailable": api[1], "unfused_fp8_unavailable": ctx.fp8_why,
+              "unfused_fp8_recipe": "row-wise: one scale per token row and per output channel of each expert",
+              "presets": {p.name: asdict(p) for p in args.shapes}, "rows": []}
+    ctx.dumps, ctx.dump_entries = {}, []
+    try:
+        for preset in args.shapes:
+            w1, w2 = make_weights(preset, row_seed(args.seed, preset.name, "weights"), device)
+            fp8w = fp8_rowwise_weights(w1, w2) if "unfused_fp8" in args.columns and not ctx.fp8_why else None
+            for world in args.world:
+                for tokens in args.tokens:
+                    ours = build_ours(api, group, preset, world, tokens, w1, w2, ours_dtypes)
+                    probes = (build_ours(api, group, preset, world, tokens, w1, w2, ours_dtypes, instrument=True)
+                              if args.dump else None)
+                    for routing in args.routing:
+                        row = measure_row(ctx, preset, world, tokens, routing, (w1, w2, fp8w), ours, probes,
+                                          len(result["rows"]))
+                        result["rows"].append(row)
+                        _write(result, args)
+                        print(summary_line(row), flush=True)
+                    del ours, probes
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+            del w1, w2, fp8w
+    finally:
+        if args.dump:
+            _write_dump(args.dump, ctx.dumps, ctx.dump_entries, result["command"])
+    return result
+
+
+def measure_row(ctx, preset: Preset, world: int, tokens: int, routing: str, weights, ours: dict, probes,
+                index: int) -> dict:
+    """One row: fresh seeded inputs and routing for world x tokens rows, every column checked once eagerly
+    against the reference, then timed together; ``probes`` (instrumented instances, or None) are dumped."""
+    import torch
+
+    from benchmarks.moe_baselines import roofline_terms
+    from megamoe.reference import make_routing, reference_moe, reference_moe_fp8, routing_stats
+
+    w1, w2, fp8w = weights
+    total = world * tokens
+    seed = row_seed(ctx.args.seed, preset.name, world, tokens, routing)
+    gen = torch.Generator(device=ctx.device).manual_seed(seed)
+    x = torch.randn(total, preset.hidden, generator=gen, device=ctx.device).to(torch.bfloat16)
+    idx, wts = make_routing(total, preset.num_experts, preset.top_k, routing, seed, ctx.device)
+    stats = routing_stats(idx, preset.num_experts)
+    roof = {d: roofline_terms(preset, total, preset.top_k, d, ctx.ceilings, rows=stats["rows"],
+                              experts_touched=stats["experts_touched"]) for d in DTYPES}
+    row = {"shape": preset.name, "hidden": preset.hidden, "intermediate": preset.intermediate,
+           "num_experts": preset.num_experts, "top_k": preset.top_k, "world": world, "tokens_per_rank": tokens,
+           "tokens": total, "routing": routing, "seed": seed, **stats, "flops": roof["bf16"]["flops"],
+           "roofline": roof, "columns": {}, "interleaved_over_wave": {}}
+    refs = {}
+
+    def reference(name):  # each computed once per row, for the columns that run
+        key = "fp8" if name.startswith("ours_fp8") else "bf16"
+        if key not in refs:
+            refs[key] = (reference_moe_fp8(x, idx, wts, w1, w2, combine_dtype=torch.bfloat16) if key == "fp8"
+                         else reference_moe(x, idx, wts, w1, w2, intermediate_dtype=torch.bfloat16,
+                                            combine_dtype=torch.bfloat16))
+        what = ("fp32, the same FP8 quantization" if key == "fp8" else "fp32, h and expert rows rounded to bf16"
+                + (" (unquantized: this column's row-wise FP8 is not applied)" if name == "unfused_fp8" else ""))
+        return refs[key], what
+
+    live = {}
+    for name, fn in column_calls(x, idx, wts, w1, w2, fp8w, ctx.fp8_why, ours, ctx.args.columns).items():
+        if isinstance(fn, dict):
+            row["columns"][name] = fn
+            continue
+        try:
+            y = fn()  # eager: the correctness check, and the warm-up (compilation) before capture
+            y = torch.cat(y) if isinstance(y, (list, tuple)) else y  # RankLists: one output per rank
+            ref, what = reference(name)
+            err = output_error(y, ref)
+            del y
+            graph, how = ctx.capture(fn)
+            live[name] = (fn, graph)
+            row["columns"][name] = {"dtype": column_dtype(name), "timing": how,
+                                    "error": {"reference": what, **err}}
+        except Exception as e:  # noqa: BLE001 - one failing column must not hide the others
+            row["columns"][name] = {"failed": _reason(e)}
+    medians, times = ctx.timer(live) if live else ({}, {})
+    for name, us in medians.items():
+        c = row["columns"][name]
+        c.update(us=us, tflops=row["flops"] / us / 1e6, roofline_efficiency=roof[c["dtype"]]["seconds"] * 1e6 / us)
+    row["round_times_us"] = {n: [round(t, 3) for t in ts] for n, ts in times.items()}
+    derive(row)
+    del live
+    if probes is not None:
+        dump_row(ctx, row, index, probes, (x, idx, wts))
+    return row
+
+
+def dump_row(ctx, row: dict, index: int, probes: dict, inputs) -> None:
+    """One instrumented launch per ours column of the row, on the row's inputs: the arrays go to ctx.dumps
+    under r<index>.<column>.<name>, what they are into the row and ctx.dump_entries."""
+    import torch
+
+    row["dump"] = {}
+    for d in DTYPES:
+        for s in SCHEDULES:
+            name = f"ours_{d}_{s}"
+            probe = probes.get(d, "not built")
+            if "skipped" in row["columns"][name] or isinstance(probe, str):
+                row["dump"][name] = {"skipped": row["columns"][name].get("skipped") or probe}
+                continue
+            try:
+                probe.forward(*inputs, schedule=s)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                arrays = probe.last_dump()
+            except Exception as e:  # noqa: BLE001 - recorded in the row
+                row["dump"][name] = {"failed": _reason(e)}
+                continue
+            prefix = f"r{index}.{name}"
+            ctx.dumps.update({f"{prefix}.{k}": v for k, v in arrays.items()})
+            row["dump"][name] = {"key_prefix": prefix, "arrays": dump_summary(arrays)}
+            ctx.dump_entries.append({"row": index, "column": name, "key_prefix": prefix,
+                                     **{k: row[k] for k in ("shape", "world", "tokens_per_rank", "routing", "seed")},
+                                     "arrays": row["dump"][name]["arrays"]})
+
+
+def _dump_paths(path: str) -> tuple[str, str]:
+    stem = path[:-4] if path.endswith((".npz", ".json")) else path
+    stem = stem.removesuffix(".")
+    return stem + ".npz", stem + ".json"
+
+
+def _write_dump(path: str, dumps: dict, entries: list, command: str) -> None:
+    import numpy as np
+
+    from cute_kernels.runtime import provenance
+
+    npz, header = _dump_paths(path)
+    os.makedirs(os.path.dirname(os.path.abspath(npz)), exist_ok=True)
+    np.savez_compressed(npz, **dumps)
+    with open(header, "w") as f:
+        json.dump({"provenance": provenance(command), "npz": os.path.basename(npz),
+                   "key": "<key_prefix>.<array name>, one prefix per (row, column)", "entries": entries}, f,
+                  indent=1)
+
+
+def _argv() -> list[str]:
+    argv = sys.argv[1:]
+    return argv[2:] if argv[:2] == ["bench", "megamoe"] else argv  # through ``xstage``: already named
+
+
+METHOD = ("each column's first call eager (checked against megamoe.reference), then CUDA graphs of calls_per_graph "
+          "calls; all columns replayed in interleaved rounds, a fresh random order each round "
+          "(benchmarks.timing.measure_rounds), median over rounds; roofline = max(FLOPs / the dtype's dense "
+          "ceiling, (touched experts' weights + x and y in bf16) / HBM copy bandwidth), ceilings measured at the "
+          "start of the same run; roofline_efficiency = roofline / time; at world P all P ranks' tokens on the one "
+          "GPU")
+
+
+def _write(result: dict, args) -> None:
+    from cute_kernels.runtime import provenance
+
+    out = {"provenance": provenance(result["command"]), "method": METHOD,
+           "args": {"shapes": [p.name for p in args.shapes], "tokens": args.tokens, "routing": args.routing,
+                    "world": args.world, "columns": args.columns, "replays": args.replays,
+                    "calls_per_graph": args.calls_per_graph, "seed": args.seed},
+           **{k: v for k, v in result.items() if k != "command"}}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    plot(out, args.png or os.path.splitext(args.out)[0] + ".png")
+
+
+def summary_line(row: dict) -> str:
+    cells = []
+    for name, c in row["columns"].items():
+        if "us" in c:
+            cells.append(f"{name} {c['us']:.0f} µs ({c['tflops']:.0f} TF, {c['roofline_efficiency']:.2f} roof, "
+                         f"rel err {c['error']['max_rel']:.1e})")
+        elif "failed" in c:
+            cells.append(f"{name} FAILED")
+    roof = row["roofline"]
+    return (f"{row['shape']} P={row['world']} T={row['tokens_per_rank']} {row['routing']}: "
+            f"roofline bf16 {roof['bf16']['seconds'] * 1e6:.0f} µs / fp8 {roof['fp8']['seconds'] * 1e6:.0f} µs; "
+            + "; ".join(cells))
+
+
+def plot(result: dict, path: str) -> None:
+    """Bars of effective TFLOP/s per row and column, one panel per (shape, world), each dtype's roofline as a
+    marker over its row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = result["rows"]
+    groups = list(dict.fromkeys((r["shape"], r["world"]) for r in rows)) or [("no rows", 0)]
+    widest = max([sum(1 for r in rows if (r["shape"], r["world"]) == g) for g in groups] + [1])
+    fig, axes = plt.subplots(len(groups), 1, figsize=(max(8.0, 2.2 * widest), 3.4 * len(groups)), squeeze=False)
+    for ax, g in zip(axes[:, 0], groups):
+        mine = [r for r in rows if (r["shape"], r["world"]) == g]
+        names = [c for c in COLUMNS if any("tflops" in r["columns"].get(c, {}) for r in mine)]
+        xs = np.arange(len(mine))
+        width = 0.8 / max(1, len(names))
+        for j, c in enumerate(names):
+            ax.bar(xs - 0.4 + (j + 0.5) * width, [r["columns"][c].get("tflops", 0.0) for r in mine], width, label=c)
+        for d, marker in (("bf16", "_"), ("fp8", "x")):
+            ax.scatter(xs, [r["flops"] / r["roofline"][d]["seconds"] / 1e12 for r in mine], marker=marker,
+                       color="k", s=200, zorder=3, label=f"roofline {d}")
+        ax.set_xticks(xs, [f"{r['tokens_per_rank']} tok/rank\n{r['routing']}" for r in mine])
+        ax.set_ylabel("effective TFLOP/s")
+        ax.set_title(f"{g[0]}, world {g[1]}" + ("" if names else ": no column timed"))
+        ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def run(args) -> int:
-    raise UsageError("bench megamoe is not implemented yet (issue 28)")
+    if args.replays < 1 or args.calls_per_graph < 1:
+        raise UsageError("--replays and --calls-per-graph must be at least 1")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("bench megamoe needs a CUDA GPU (torch.cuda.is_available() is False)")
+    from cute_kernels.dist import process_group
+
+    init_file = os.path.join(args.tmp, f"megamoe_bench_pg_{os.getpid()}")
+    if os.path.exists(init_file):
+        os.remove(init_file)  # a stale rendezvous file would hang the file:// init
+    with process_group(0, 1, init_file) as group:
+        bench(args, group)
+    print(f"wrote {args.out}", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    """``python -m benchmarks.megamoe`` (the same as ``xstage bench megamoe``)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="xstage bench megamoe", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    try:
+        return run(p.parse_args(argv))
+    except UsageError as e:
+        print(f"xstage: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -51,7 +51,7 @@ def _run_bench_flash_a2a(args) -> int:
 def _run_bench_megamoe(args) -> int:
     import benchmarks.megamoe as megamoe
 
-    return _forward("bench megamoe", "MegaMoE benchmark (not implemented yet: issue 28)", megamoe, args)
+    return _forward("bench megamoe", "MegaMoE against the unfused paths and the roofline (one GPU)", megamoe, args)
 
 
 def _add_calibrate_and_bench(subparsers) -> None:
@@ -63,7 +63,7 @@ def _add_calibrate_and_bench(subparsers) -> None:
     kinds = bench.add_subparsers(dest="bench", metavar="{flash-a2a,megamoe}", required=True)
     kinds.add_parser("flash-a2a", add_help=False, help="FlashAttention + Ulysses All-to-All (GPUs)").set_defaults(
         func=_run_bench_flash_a2a, forwards=True)
-    kinds.add_parser("megamoe", add_help=False, help="MegaMoE benchmark (not implemented yet)").set_defaults(
+    kinds.add_parser("megamoe", add_help=False, help="MegaMoE against the unfused paths (one GPU)").set_defaults(
         func=_run_bench_megamoe, forwards=True)
 
 

@@ -32,7 +32,8 @@ def run_module(*args, cwd):
 
 
 @pytest.mark.parametrize("argv,fragment", [
-    (["bench", "megamoe"], "bench megamoe is not implemented yet (issue 28)"),
+    (["bench", "megamoe", "--shapes", "nope"], "unknown shape 'nope'"),
+    (["bench", "megamoe", "--world", "3"], "unknown world size '3'"),
     (["bench", "megamoe", "--size", "7"], "unrecognized arguments: --size 7"),
     (["bench", "flash-a2a", "--seq-lens", "1000"], "multiples of 128"),
     (["bench"], "required"),
@@ -100,9 +101,9 @@ def test_module_entry_point(tmp_path):
     ok = run_module("design-test", "--profile", "paper", "--preset", "fa-a2a", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert "figure: design-test.png" in ok.stdout and (tmp_path / "design-test.png").is_file()
-    bad = run_module("bench", "megamoe", cwd=tmp_path)
+    bad = run_module("bench", "megamoe", "--tokens", "0", cwd=tmp_path)  # refused before any GPU work
     assert bad.returncode == 2
-    assert_one_line_error(bad.stderr, "not implemented yet (issue 28)")
+    assert_one_line_error(bad.stderr, "token counts must be positive")
 
 
 # --- the import graph -------------------------------------------------------------------
