@@ -124,7 +124,7 @@ def load_api():
     """(the megamoe.api module, None), or (None, why): the API is written beside this benchmark, so it may be
     missing. Used: ``MegaMoE`` and, where MegaMoE takes no ``emulated_ranks`` yet, ``EmulatedMoE``."""
     try:
-        import megamoe.api as api
+        import megamoe.api as api  # noqa: PLR0402 - this form consults sys.modules, so a test can hide the API
     except Exception as e:  # noqa: BLE001 - an API that does not import is a skipped column, with why
         return None, f"megamoe.api unavailable ({_reason(e)})"
     return api, None
@@ -495,13 +495,16 @@ def plot(result: dict, path: str) -> None:
         width = 0.8 / max(1, len(names))
         for j, c in enumerate(names):
             ax.bar(xs - 0.4 + (j + 0.5) * width, [r["columns"][c].get("tflops", 0.0) for r in mine], width, label=c)
+        top = 1.0
         for d, marker in (("bf16", "_"), ("fp8", "x")):
-            ax.scatter(xs, [r["flops"] / r["roofline"][d]["seconds"] / 1e12 for r in mine], marker=marker,
-                       color="k", s=200, zorder=3, label=f"roofline {d}")
+            roof = [r["flops"] / r["roofline"][d]["seconds"] / 1e12 for r in mine]
+            ax.scatter(xs, roof, marker=marker, color="k", s=200, zorder=3, label=f"roofline {d}")
+            top = max([top, *roof])
+        ax.set_ylim(0, 1.3 * top)  # headroom: the legend sits above the markers
         ax.set_xticks(xs, [f"{r['tokens_per_rank']} tok/rank\n{r['routing']}" for r in mine])
         ax.set_ylabel("effective TFLOP/s")
         ax.set_title(f"{g[0]}, world {g[1]}" + ("" if names else ": no column timed"))
-        ax.legend(fontsize=7, ncol=4)
+        ax.legend(fontsize=7, ncol=4, loc="upper left")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
