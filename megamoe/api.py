@@ -32,8 +32,8 @@ TIMEOUT_NS = 2_000_000_000
 _KERNELS: dict = {}
 
 
-def _compiled(hidden, intermediate, top_k, num_local, instrument):
-    key = (hidden, intermediate, top_k, num_local, instrument)
+def _compiled(hidden, intermediate, top_k, num_local, instrument, **options):
+    key = (hidden, intermediate, top_k, num_local, instrument, tuple(sorted(options.items())))
     if key not in _KERNELS:
         import cutlass.cute as cute  # noqa: F401  (the DSL only when a kernel is built)
         from cutlass.runtime import make_fake_stream
@@ -41,7 +41,7 @@ def _compiled(hidden, intermediate, top_k, num_local, instrument):
         from cute_kernels.compile import compile_kernel
         from megamoe.kernel import MegaMoEForward
 
-        k = MegaMoEForward(hidden, intermediate, top_k, num_local, instrument=instrument)
+        k = MegaMoEForward(hidden, intermediate, top_k, num_local, instrument=instrument, **options)
         _KERNELS[key] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
     return _KERNELS[key]
 
@@ -131,14 +131,15 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, experts: range) -> tup
 
 class MegaMoE:
     """One MoE layer on one rank of ``group`` (None: world size 1). ``schedule``: "interleaved" (Algorithm 1)
-    or "wave" (expert waves), also per call; ``lead``: Algorithm 1's D in rows (None: D_knee, eq. 16);
+    or "wave" (expert waves), also per call; ``lead``: Algorithm 1's D in rows (None: schedule.d_lead, eq. 16's
+    knee widened by the L2/L1 mainloop ratio);
     ``instrument``: per-tile records (``last_dump``); ``num_sms``: CTAs of the persistent grid (default: every
     SM; it must be even for the interleaved order's CTA pairs)."""
 
     def __init__(self, group, num_experts: int, top_k: int, hidden: int, intermediate: int,
                  dtype=torch.bfloat16, schedule: str = "interleaved", lead: float | None = None,
                  max_tokens_per_rank: int = 8192, instrument: bool = False, num_sms: int | None = None,
-                 device=None, _rank_world=None):
+                 device=None, _rank_world=None, _kernel_options=None):
         if dtype != torch.bfloat16:
             raise ValueError(f"dtype {dtype} is not supported yet: use torch.bfloat16 (FP8 W8A8 is planned)")
         if _rank_world is not None:
@@ -159,7 +160,7 @@ class MegaMoE:
             raise ValueError(f"num_sms must be in 2..{sms} (one CTA per SM), got {num_sms}")
         self.grid = grid - grid % 2
         self.shape = sched.MoEShape(hidden, intermediate)
-        self.lead = sched.d_knee(self.shape, self.grid) if lead is None else float(lead)
+        self.lead = sched.d_lead(self.shape, self.grid) if lead is None else float(lead)
         self.lead_rows = ts.lead_rows(self.lead)
         self.state = _RankState(hidden, intermediate, top_k, self.num_local, self.world, max_tokens_per_rank,
                                 self.grid, self.device, group if _rank_world is None else None)
@@ -172,7 +173,7 @@ class MegaMoE:
         self.rec_cap = 0
         self.records = torch.zeros(8, dtype=torch.int64, device=self.device)
         self.w1 = self.w2 = None
-        self.kernel = _compiled(hidden, intermediate, top_k, self.num_local, self.instrument)
+        self.kernel = _compiled(hidden, intermediate, top_k, self.num_local, self.instrument, **(_kernel_options or {}))
 
     @staticmethod
     def check_schedule(schedule):

@@ -306,6 +306,16 @@ def d_knee(shape: MoEShape, k_sm: int) -> float:
     return float(model.d_knee(shape.block_n, k_sm, shape.intermediate))
 
 
+def d_lead(shape: MoEShape, k_sm: int) -> float:
+    """The lead the kernel runs by default: eq. 16's knee times (1 + T_L2 / T_L1), T_L2 / T_L1 = intermediate /
+    hidden (the two mainloops' K, same tile). Eq. 16 counts the rows one stride of every instance's L1 cursor
+    spans, as if all instances advanced in lockstep; but an instance inside an L2 mainloop falls behind its
+    peers by the L1 tiles they run meanwhile, T_L2 / T_L1 more strides of rows. Where L2 tiles are long (DiT-MoE:
+    hidden 1152, intermediate 4608, 4x) the knee alone lets L2 spin: the simulator gives 2500 us against the
+    wave order's 914 at D = ceil(1.83) = 2, and 914 at D = 10 (docs/FINDINGS.md, megamoe_lead)."""
+    return d_knee(shape, k_sm) * (1.0 + shape.intermediate / shape.hidden)
+
+
 def d_knee_from_profile(shape: MoEShape, profile, k_sm: int | None = None) -> float:
     """Eq. 16 on a platform profile (calibrate.profile.PlatformProfile): K_SM is ``k_sm`` or the profile's SM
     count. The knee contains no X-Stage parameter (T_iss0, R, Q): it comes from cross-SM data readiness."""
