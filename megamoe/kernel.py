@@ -76,7 +76,7 @@ class MegaMoEForward:
     ab_stages = 5
 
     def __init__(self, hidden: int, intermediate: int, top_k: int, num_local_experts: int, max_world: int = 8,
-                 instrument: bool = False, dtype=cutlass.BFloat16, pingpong: bool = True):
+                 instrument: bool = False, dtype=cutlass.BFloat16):
         if dtype is not cutlass.BFloat16:
             raise ValueError("MegaMoEForward is built for bf16 (FP8 W8A8 is not implemented yet)")
         for name, v in (("hidden", hidden), ("intermediate", intermediate)):
@@ -93,13 +93,11 @@ class MegaMoEForward:
         self.n2 = hidden // BLOCK_N
         self.k1 = hidden // BLOCK_K
         self.k2 = intermediate // BLOCK_K
-        # pingpong: each MMA warpgroup runs every other tile of the CTA's stream whole (128 x 128), so one's
-        # epilogue runs under the other's mainloop; otherwise both split each tile (64 rows each)
-        self.pingpong = bool(pingpong)
-        self.wg_rows = BLOCK_M if self.pingpong else BLOCK_M // 2
-        self.ab_stages = 4 if self.pingpong else 5
-        # l1_done[p] when row p is complete: one arrival per L1 tile and warpgroup that stored part of it
-        self.l1_arrivals = self.n1 * (1 if self.pingpong else 2)
+        # the two MMA warpgroups split each tile, 64 rows each (a pingpong split, a whole tile per warpgroup,
+        # crashed on the H200 and was not measured: docs/FINDINGS.md, megamoe_pingpong)
+        self.wg_rows = BLOCK_M // 2
+        # l1_done[p] when row p is complete: one arrival per L1 tile and warpgroup
+        self.l1_arrivals = 2 * self.n1
 
     # ---------------------------------------------------------------- host
     def fake_args(self):
@@ -134,7 +132,7 @@ class MegaMoEForward:
         ``l1_done`` (rows / 128), ``epoch``, ``done``, ``errors``, ``records``. ``peer_ptrs`` (6 * world):
         every rank's address of each symmetric buffer, in PEER_KINDS order. ``order``: tile_stream.WAVE or
         INTERLEAVED; ``lead``: D in whole rows."""
-        atoms = (1, 1, 1) if const_expr(self.pingpong) else (2, 1, 1)  # warpgroups per tile
+        atoms = (2, 1, 1)  # warpgroups per tile
         mma = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=atoms, tiler_mn=(64, BLOCK_N))
@@ -143,12 +141,9 @@ class MegaMoEForward:
             atom_layout_mnk=atoms, tiler_mn=(64, BLOCK_N // 2))
         sA_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_K), self.ab_stages)
         sB_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_N, BLOCK_K), self.ab_stages)
-        # staging: one 128 x 128 bf16 buffer per tile in flight (per warpgroup with pingpong); an L1 tile's
-        # 128 x 64 h uses the first half of its warpgroup's buffer (sH stage 2 w inside sC stage w)
-        n_stage = 2 if const_expr(self.pingpong) else 1
-        sC_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N), n_stage)
-        sH_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N // 2),
-                                                2 * n_stage)
+        # staging: one 128 x 128 bf16 buffer; an L1 tile's 128 x 64 h uses its first half (sH is a view of sC)
+        sC_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N))
+        sH_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N // 2))
         op = cpasync.CopyBulkTensorTileG2SOp()
         one_a = cute.select(sA_layout, mode=[0, 1])
         one_b = cute.select(sB_layout, mode=[0, 1])
@@ -196,8 +191,7 @@ class MegaMoEForward:
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_ab.data_ptr(), num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 if const_expr(self.pingpong) else 8),
-            tx_count=tx, defer_sync=True)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8), tx_count=tx, defer_sync=True)
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
         E = self.num_local_experts
         s_row_off = storage.row_off.get_tensor(cute.make_layout(E + 1))
@@ -404,38 +398,26 @@ class MegaMoEForward:
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
-        sH = storage.sC.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)
+        sH = storage.sC.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)  # a view of sC's first half
         order, s_row_off, num_rows, epw, lead, bidx, grid = walk
         E = self.num_local_experts
         rows = self.wg_rows
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
-        if const_expr(self.pingpong):  # each warpgroup a whole tile, its own staging buffer
-            mma_tidx = tidx % WG_THREADS
-            wg_mma = mma.get_slice(mma_tidx)
-            wg_half = mma_half.get_slice(mma_tidx)
-            sC_wg = sC[None, None, wg]
-            sH_wg = sH[None, None, 2 * wg]
-            sC_rows = sC_wg
-            sH_rows = sH_wg
-        else:  # the two warpgroups split each tile: 64 rows each
-            mma_tidx = tidx
-            wg_mma = mma.get_slice(wg * WG_THREADS)
-            wg_half = mma_half.get_slice(wg * WG_THREADS)
-            sC_wg = sC[None, None, 0]
-            sH_wg = sH[None, None, 0]
-            sC_rows = cute.local_tile(sC_wg, (64, BLOCK_N), (wg, 0))
-            sH_rows = cute.local_tile(sH_wg, (64, BLOCK_N // 2), (wg, 0))
+        wg_mma = mma.get_slice(wg * WG_THREADS)
+        wg_half = mma_half.get_slice(wg * WG_THREADS)
+        sC_rows = cute.local_tile(sC, (64, BLOCK_N), (wg, 0))
+        sH_rows = cute.local_tile(sH, (64, BLOCK_N // 2), (wg, 0))
         acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(wg_mma, (BLOCK_M, BLOCK_N, BLOCK_K), sA, sB)
         acc_h = cute.make_rmem_tensor(wg_half.partition_shape_C((BLOCK_M, BLOCK_N // 2)), Float32)
         st_atom = copy_utils.get_smem_store_atom(self.dtype)
-        thr_c = cute.make_tiled_copy_C(st_atom, mma).get_slice(mma_tidx)
-        thr_h = cute.make_tiled_copy_C(st_atom, mma_half).get_slice(mma_tidx)
-        tCsC = thr_c.partition_D(sC_wg)
-        tHsH = thr_h.partition_D(sH_wg)
+        thr_c = cute.make_tiled_copy_C(st_atom, mma).get_slice(tidx)
+        thr_h = cute.make_tiled_copy_C(st_atom, mma_half).get_slice(tidx)
+        tCsC = thr_c.partition_D(sC)
+        tHsH = thr_h.partition_D(sH)
         store_c = WarpgroupTileStore.create(self.dtype, sC_rows, BLOCK_N, rows, WG_THREADS, tidx % WG_THREADS)
         store_h = WarpgroupTileStore.create(self.dtype, sH_rows, BLOCK_N // 2, rows, WG_THREADS, tidx % WG_THREADS)
         # this thread's accumulator rows (within the 128-row tile), for the router weight
-        rows_c = layout_utils.reshape_acc_to_mn(mma.get_slice(mma_tidx).partition_C(
+        rows_c = layout_utils.reshape_acc_to_mn(mma.get_slice(tidx).partition_C(
             cute.make_identity_tensor((BLOCK_M, BLOCK_N))))
         staging_c = (st_atom, thr_c, tCsC, store_c)
         staging_h = (st_atom, thr_h, tHsH, store_h)
@@ -449,43 +431,33 @@ class MegaMoEForward:
             n_kb = Int32(self.k1)
             if kind == ts.KIND_L2:
                 n_kb = Int32(self.k2)
-            mine = Int32(1)
-            if const_expr(self.pingpong):
-                mine = Int32(j % 2 == wg)
-            if mine == 0:  # the other warpgroup's tile: skip its stages
-                for _ in cutlass.range(n_kb, unroll=1):
-                    state.advance()
+            e = ts.expert_of_row(s_row_off, p, E)
+            m = p - s_row_off[e]
+            valid = cutlass.min(s_ntok[e] - m * BLOCK_M, Int32(BLOCK_M))
+            if const_expr(self.instrument):
+                t_entry = cute.arch.globaltimer()
+            state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
+            if const_expr(self.instrument):
+                t_mma = cute.arch.globaltimer()
+            row0 = p * BLOCK_M + wg * 64  # this warpgroup's first pool row
+            t_rs = Int64(0)
+            if kind == ts.KIND_L1:
+                self.epilogue_l1(acc, acc_h, staging_h, pool_w, mInter, l1_done, p, n, row0, rows_c, bar, tidx)
             else:
-                e = ts.expert_of_row(s_row_off, p, E)
-                m = p - s_row_off[e]
-                valid = cutlass.min(s_ntok[e] - m * BLOCK_M, Int32(BLOCK_M))
-                if const_expr(self.instrument):
-                    t_entry = cute.arch.globaltimer()
-                state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
-                if const_expr(self.instrument):
-                    t_mma = cute.arch.globaltimer()
-                row0 = p * BLOCK_M  # this warpgroup's first pool row
-                if const_expr(not self.pingpong):
-                    row0 = row0 + wg * 64
-                    valid = valid - wg * 64
-                t_rs = Int64(0)
-                if kind == ts.KIND_L1:
-                    self.epilogue_l1(acc, acc_h, staging_h, pool_w, mInter, l1_done, p, n, row0, rows_c, bar, tidx)
-                else:
-                    t_rs = self.epilogue_l2(acc, staging_c, pool_src, peer_ptrs, row0, valid, n, max_tokens, world,
-                                            bar)
-                if const_expr(self.instrument):
-                    if tidx % WG_THREADS == 0:
-                        if j < rec_cap:
-                            t_end = cute.arch.globaltimer()
-                            base_r = (Int64(bidx) * rec_cap + j) * REC_FIELDS
-                            records[base_r] = (Int64(kind) << 56) | (Int64(e) << 40) | (Int64(m) << 20) | Int64(n)
-                            records[base_r + 1] = Int64(cute.arch.smid())
-                            records[base_r + 2] = t_entry
-                            records[base_r + 3] = t_data
-                            records[base_r + 4] = t_mma
-                            records[base_r + 5] = t_end
-                            records[base_r + 6] = t_rs
+                t_rs = self.epilogue_l2(acc, staging_c, pool_src, peer_ptrs, row0, valid - wg * 64, n, max_tokens,
+                                        world, bar)
+            if const_expr(self.instrument):
+                if tidx == 0:
+                    if j < rec_cap:
+                        t_end = cute.arch.globaltimer()
+                        base_r = (Int64(bidx) * rec_cap + j) * REC_FIELDS
+                        records[base_r] = (Int64(kind) << 56) | (Int64(e) << 40) | (Int64(m) << 20) | Int64(n)
+                        records[base_r + 1] = Int64(cute.arch.smid())
+                        records[base_r + 2] = t_entry
+                        records[base_r + 3] = t_data
+                        records[base_r + 4] = t_mma
+                        records[base_r + 5] = t_end
+                        records[base_r + 6] = t_rs
             j = j + 1
             found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
                                                      self.n1, self.n2, E)
