@@ -421,6 +421,8 @@ class MegaMoEForward:
             cute.make_identity_tensor((BLOCK_M, BLOCK_N))))
         staging_c = (st_atom, thr_c, tCsC, store_c)
         staging_h = (st_atom, thr_h, tHsH, store_h)
+        wts = cute.make_rmem_tensor(cute.make_layout(cute.size(rows_c, mode=[0])), Float32)  # L1: router weights
+        dst = cute.make_rmem_tensor(cute.make_layout(store_c.chunks), Int64)  # L2: combine rows
         bar = NamedBarrierMoE.Epilogue + wg
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         cursor = ts.initial_cursor(order, bidx)
@@ -436,16 +438,21 @@ class MegaMoEForward:
             valid = cutlass.min(s_ntok[e] - m * BLOCK_M, Int32(BLOCK_M))
             if const_expr(self.instrument):
                 t_entry = cute.arch.globaltimer()
+            row0 = p * BLOCK_M + wg * 64  # this warpgroup's first pool row
+            # what the epilogue reads from global memory, loaded before the mainloop hides the latency
+            if kind == ts.KIND_L1:
+                for r in cutlass.range_constexpr(cute.size(wts)):
+                    wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
+            else:
+                self.combine_destinations(dst, store_c, pool_src, peer_ptrs, row0, valid - wg * 64, max_tokens, world)
             state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
             if const_expr(self.instrument):
                 t_mma = cute.arch.globaltimer()
-            row0 = p * BLOCK_M + wg * 64  # this warpgroup's first pool row
             t_rs = Int64(0)
             if kind == ts.KIND_L1:
-                self.epilogue_l1(acc, acc_h, staging_h, pool_w, mInter, l1_done, p, n, row0, rows_c, bar, tidx)
+                self.epilogue_l1(acc, acc_h, staging_h, wts, mInter, l1_done, p, n, row0, bar, tidx)
             else:
-                t_rs = self.epilogue_l2(acc, staging_c, pool_src, peer_ptrs, row0, valid - wg * 64, n, max_tokens,
-                                        world, bar)
+                t_rs = self.epilogue_l2(acc, staging_c, dst, n, bar)
             if const_expr(self.instrument):
                 if tidx == 0:
                     if j < rec_cap:
@@ -463,7 +470,7 @@ class MegaMoEForward:
                                                      self.n1, self.n2, E)
 
     @cute.jit
-    def epilogue_l1(self, acc, acc_h, staging, pool_w, mInter, l1_done, p, n, row0, rows_c, bar, tidx):
+    def epilogue_l1(self, acc, acc_h, staging, wts, mInter, l1_done, p, n, row0, bar, tidx):
         """L1 tile (row p, N block n), this warpgroup's 64 rows: h = silu(gate) * up * weight in fp32 (gate and up
         are the tile's columns [0, 64) and [64, 128): this thread holds column c and c + 64), bf16 to the
         intermediate, then a release-add on the row's counter once every thread's stores are issued."""
@@ -472,7 +479,7 @@ class MegaMoEForward:
         h_mn = layout_utils.reshape_acc_to_mn(acc_h)
         half_cols = cute.size(h_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(h_mn, mode=[0])):
-            w = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
+            w = wts[r]
             for c in cutlass.range_constexpr(half_cols):
                 g = acc_mn[r, c]
                 h_mn[r, c] = g / (Float32(1.0) + cute.math.exp(-g, fastmath=True)) * acc_mn[r, c + half_cols] * w
@@ -491,7 +498,7 @@ class MegaMoEForward:
             fl.signal_add(l1_done, p, 1, "gpu")
 
     @cute.jit
-    def epilogue_l2(self, acc, staging, pool_src, peer_ptrs, row0, valid_rows, n, max_tokens, world, bar) -> Int64:
+    def epilogue_l2(self, acc, staging, dst, n, bar) -> Int64:
         """L2 tile, this warpgroup's 64 rows: bf16 through shared memory, then the Combine's stores (returns
         their clock64 span, the sender-visible T_RS, when instrumented)."""
         st_atom, thr_c, tCsC, store_c = staging
@@ -504,28 +511,40 @@ class MegaMoEForward:
         t_rs = Int64(0)
         if const_expr(self.instrument):
             ck0 = cute.arch.clock64()
-        self.combine_stores(store_c, pool_src, peer_ptrs, row0, valid_rows, n, max_tokens, world)
+        self.combine_stores(store_c, dst, n)
         if const_expr(self.instrument):
             t_rs = Int64(cute.arch.clock64() - ck0)
         return t_rs
 
     @cute.jit
-    def combine_stores(self, store_c: WarpgroupTileStore, pool_src, peer_ptrs, row0, valid_rows, n, max_tokens,
-                       world):
-        """This warpgroup's staged 64 x 128 bf16 rows, each to its source rank's combine buffer row
-        (token * top_k + k), 128-bit stores; rows past the expert's tokens are not stored."""
+    def combine_destinations(self, dst: cute.Tensor, store_c: WarpgroupTileStore, pool_src, peer_ptrs, row0,
+                             valid_rows, max_tokens, world):
+        """Before an L2 tile's mainloop: the combine-buffer address of each row this thread will store (source
+        rank's buffer, slot token * top_k + k; 0 past the expert's tokens), so the epilogue's stores wait on no
+        load (the row sources' load latency hides under the mainloop)."""
         slots = max_tokens * self.top_k
-        # (not the dataclass inside the dynamic branch: the DSL would try to carry its dtype field)
-        tiled_copy, thr_copy, regs = store_c.tiled_copy, store_c.thr_copy, store_c.regs
-        rows = self.wg_rows
-        coords = thr_copy.partition_D(cute.make_identity_tensor((rows, BLOCK_N)))
+        thr_copy = store_c.thr_copy
+        coords = thr_copy.partition_D(cute.make_identity_tensor((self.wg_rows, BLOCK_N)))
         for c in cutlass.range_constexpr(store_c.chunks):
-            row, col = coords[0, c, 0]
+            row = coords[0, c, 0][0]
+            dst[c] = Int64(0)
             if row < valid_rows:
                 src = pool_src[row0 + row]
                 src_rank = src // slots
                 comb = self.peer(peer_ptrs, "combine", src_rank, world, self.dtype, 16)
-                base = comb + cute.assume(Int64(src - src_rank * slots) * self.hidden + n * BLOCK_N, divby=8)
+                dst[c] = (comb + Int64(src - src_rank * slots) * self.hidden).toint()
+
+    @cute.jit
+    def combine_stores(self, store_c: WarpgroupTileStore, dst: cute.Tensor, n):
+        """This warpgroup's staged 64 x 128 bf16 rows to their combine-buffer rows ``dst`` (column block n),
+        128-bit stores; rows with no destination (past the expert's tokens) are not stored."""
+        # (not the dataclass inside the dynamic branch: the DSL would try to carry its dtype field)
+        tiled_copy, thr_copy, regs = store_c.tiled_copy, store_c.thr_copy, store_c.regs
+        rows = self.wg_rows
+        for c in cutlass.range_constexpr(store_c.chunks):
+            if dst[c] != 0:
+                base = cute.make_ptr(self.dtype, dst[c], cute.AddressSpace.gmem, assumed_align=16) + cute.assume(
+                    n * BLOCK_N, divby=BLOCK_N)
                 g_dst = cute.make_tensor(base, cute.make_layout((rows, BLOCK_N), stride=(0, 1)))
                 cute.copy(tiled_copy, regs[None, c, None], thr_copy.partition_D(g_dst)[None, c, None])
 
