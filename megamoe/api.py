@@ -32,8 +32,8 @@ TIMEOUT_NS = 2_000_000_000
 _KERNELS: dict = {}
 
 
-def _compiled(hidden, intermediate, top_k, num_local, instrument, **options):
-    key = (hidden, intermediate, top_k, num_local, instrument, tuple(sorted(options.items())))
+def _compiled(hidden, intermediate, top_k, num_local, instrument):
+    key = (hidden, intermediate, top_k, num_local, instrument)
     if key not in _KERNELS:
         import cutlass.cute as cute  # noqa: F401  (the DSL only when a kernel is built)
         from cutlass.runtime import make_fake_stream
@@ -41,7 +41,7 @@ def _compiled(hidden, intermediate, top_k, num_local, instrument, **options):
         from cute_kernels.compile import compile_kernel
         from megamoe.kernel import MegaMoEForward
 
-        k = MegaMoEForward(hidden, intermediate, top_k, num_local, instrument=instrument, **options)
+        k = MegaMoEForward(hidden, intermediate, top_k, num_local, instrument=instrument)
         _KERNELS[key] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
     return _KERNELS[key]
 
@@ -139,7 +139,7 @@ class MegaMoE:
     def __init__(self, group, num_experts: int, top_k: int, hidden: int, intermediate: int,
                  dtype=torch.bfloat16, schedule: str = "interleaved", lead: float | None = None,
                  max_tokens_per_rank: int = 8192, instrument: bool = False, num_sms: int | None = None,
-                 device=None, _rank_world=None, _kernel_options=None):
+                 device=None, _rank_world=None):
         if dtype != torch.bfloat16:
             raise ValueError(f"dtype {dtype} is not supported yet: use torch.bfloat16 (FP8 W8A8 is planned)")
         if _rank_world is not None:
@@ -173,7 +173,10 @@ class MegaMoE:
         self.rec_cap = 0
         self.records = torch.zeros(8, dtype=torch.int64, device=self.device)
         self.w1 = self.w2 = None
-        self.kernel = _compiled(hidden, intermediate, top_k, self.num_local, self.instrument, **(_kernel_options or {}))
+        self.kernel = _compiled(hidden, intermediate, top_k, self.num_local, self.instrument)
+        from megamoe import ops
+
+        self.handle = ops.register(self)  # torch.ops.xstage.megamoe names the layer by it
 
     @staticmethod
     def check_schedule(schedule):
@@ -263,7 +266,9 @@ class MegaMoE:
         self.launch(x, topk_idx, topk_weights, y, schedule)
         return y
 
-    __call__ = forward
+    def __call__(self, x, topk_idx, topk_weights, schedule: str | None = None) -> torch.Tensor:
+        """``forward`` through the ``torch.ops.xstage.megamoe`` custom op (opaque to torch.compile / FX)."""
+        return torch.ops.xstage.megamoe(x, topk_idx, topk_weights, self.handle, schedule or self.schedule)
 
     def check_errors(self) -> None:
         """Raise if a bounded wait of the kernel timed out or an expert id was out of range (synchronizes)."""

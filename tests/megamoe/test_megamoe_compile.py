@@ -83,3 +83,23 @@ def test_layer_refusals():
         _check_layer(4, 8, 1024, 512, 1, 64)
     with pytest.raises(ValueError, match="max_tokens_per_rank"):
         _check_layer(8, 2, 1024, 512, 1, 0)
+
+
+def test_megamoe_op_traces_as_one_opaque_node():
+    """torch.ops.xstage.megamoe traces with fake tensors (CPU) into one node with x's shape; an unknown handle is
+    refused by the real op with a clear error."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from megamoe import ops  # noqa: F401 - registers torch.ops.xstage.megamoe
+
+    def f(x, idx, w):
+        return torch.ops.xstage.megamoe(x, idx, w, 12345, "wave") + 1
+
+    x = torch.zeros(300, 1152, dtype=torch.bfloat16)
+    idx = torch.zeros(300, 2, dtype=torch.int32)
+    w = torch.zeros(300, 2, dtype=torch.float32)
+    gm = make_fx(f, tracing_mode="fake")(x, idx, w)
+    node = next(n for n in gm.graph.nodes if n.target == torch.ops.xstage.megamoe.default)
+    assert tuple(node.meta["val"].shape) == (300, 1152)
+    with pytest.raises(ValueError, match="no live MegaMoE layer"):
+        torch.ops.xstage.megamoe(x, idx, w, 12345, "wave")

@@ -197,3 +197,17 @@ def test_missing_peer_times_out_into_the_error_word(seed):
     torch.cuda.synchronize()
     with pytest.raises(XStageKernelError, match="barrier"):
         r0.check_errors()
+
+
+def test_custom_op_equals_forward(seed):
+    """moe(x, ...) goes through torch.ops.xstage.megamoe: the same bits as forward, and torch.compile keeps it
+    as one opaque op."""
+    moe = _layer(8, 2, 300)
+    w1, w2 = _weights(8, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    x, idx, w = _inputs(300, 8, 2, "skewed", seed, SMALL["hidden"])
+    direct = moe.forward(x, idx, w)
+    via_op = moe(x, idx, w)
+    compiled = torch.compile(lambda a, b, c: moe(a, b, c) * 1, fullgraph=True)(x, idx, w)
+    moe.check_errors()
+    assert torch.equal(direct, via_op) and torch.equal(direct, compiled), f"seed={seed}"
