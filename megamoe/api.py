@@ -32,8 +32,20 @@ TIMEOUT_NS = 2_000_000_000
 _KERNELS: dict = {}
 
 
-def _compiled(hidden, intermediate, top_k, num_local, instrument):
-    key = (hidden, intermediate, top_k, num_local, instrument)
+PRECISIONS = {torch.bfloat16: "bf16", "bf16": "bf16", torch.float8_e4m3fn: "w8a8", "w8a8": "w8a8", "fp8": "w8a8"}
+
+
+def precision_of(dtype) -> str:
+    """The kernel precision a ``dtype`` names: bf16, or W8A8 (torch.float8_e4m3fn, "w8a8" or "fp8")."""
+    try:
+        return PRECISIONS[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"dtype {dtype!r} is not supported: use torch.bfloat16 or torch.float8_e4m3fn (W8A8); "
+                         "W4A8 is not built yet") from None
+
+
+def _compiled(hidden, intermediate, top_k, num_local, instrument, precision="bf16"):
+    key = (hidden, intermediate, top_k, num_local, instrument, precision)
     if key not in _KERNELS:
         import cutlass.cute as cute  # noqa: F401  (the DSL only when a kernel is built)
         from cutlass.runtime import make_fake_stream
@@ -41,7 +53,7 @@ def _compiled(hidden, intermediate, top_k, num_local, instrument):
         from cute_kernels.compile import compile_kernel
         from megamoe.kernel import MegaMoEForward
 
-        k = MegaMoEForward(hidden, intermediate, top_k, num_local, instrument=instrument)
+        k = MegaMoEForward(hidden, intermediate, top_k, num_local, instrument=instrument, precision=precision)
         _KERNELS[key] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
     return _KERNELS[key]
 
@@ -65,14 +77,18 @@ def _check_layer(num_experts, top_k, hidden, intermediate, world, max_tokens):
 class _RankState:
     """One rank's buffers: the symmetric ones (peers write them) in one allocation, then the local ones."""
 
-    SYMMETRIC = ("pool", "pool_src", "pool_w", "combine", "counts", "barrier")
+    # the kernel's peer table rows (megamoe.phases.PEER_KINDS; a test checks they agree)
+    SYMMETRIC = ("pool", "pool_src", "pool_w", "combine", "counts", "barrier", "pool_scale")
 
-    def __init__(self, hidden, intermediate, top_k, num_local, world, max_tokens, grid, device, group=None):
+    def __init__(self, hidden, intermediate, top_k, num_local, world, max_tokens, grid, device, group=None,
+                 fp8=False):
         self.rows = world * max_tokens * top_k + num_local * 128  # each expert's rows start on a 128 boundary
         slots = max_tokens * top_k
-        shapes = {"pool": ((self.rows, hidden), torch.bfloat16), "pool_src": ((self.rows,), torch.int32),
+        ab = torch.float8_e4m3fn if fp8 else torch.bfloat16  # the GEMM operands
+        shapes = {"pool": ((self.rows, hidden), ab), "pool_src": ((self.rows,), torch.int32),
                   "pool_w": ((self.rows,), torch.float32), "combine": ((slots, hidden), torch.bfloat16),
-                  "counts": ((2 * num_local,), torch.int32), "barrier": ((1,), torch.int64)}
+                  "counts": ((2 * num_local,), torch.int32), "barrier": ((1,), torch.int64),
+                  "pool_scale": ((self.rows * hidden // 128 if fp8 else 1,), torch.float32)}
         offsets, total = {}, 0
         for name in self.SYMMETRIC:
             shape, dtype = shapes[name]
@@ -94,7 +110,9 @@ class _RankState:
             n = math.prod(shape)
             view = self.arena[offsets[name]:offsets[name] + n * dtype.itemsize].view(dtype).view(shape)
             setattr(self, name, view)
-        self.inter = torch.empty(self.rows, intermediate, dtype=torch.bfloat16, device=device)
+        self.inter = torch.empty(self.rows, intermediate, dtype=ab, device=device)
+        self.inter_scale = torch.zeros(self.rows * intermediate // 64 if fp8 else 1, dtype=torch.float32,
+                                       device=device)
         self.tok_slot = torch.zeros(slots, dtype=torch.int32, device=device)
         self.l1_done = torch.zeros(self.rows // 128, dtype=torch.int32, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
@@ -140,8 +158,8 @@ class MegaMoE:
                  dtype=torch.bfloat16, schedule: str = "interleaved", lead: float | None = None,
                  max_tokens_per_rank: int = 8192, instrument: bool = False, num_sms: int | None = None,
                  device=None, _rank_world=None):
-        if dtype != torch.bfloat16:
-            raise ValueError(f"dtype {dtype} is not supported yet: use torch.bfloat16 (FP8 W8A8 is planned)")
+        self.precision = precision_of(dtype)
+        self.fp8 = self.precision == "w8a8"
         if _rank_world is not None:
             self.rank, self.world = _rank_world
         elif group is None:
@@ -163,7 +181,7 @@ class MegaMoE:
         self.lead = sched.d_lead(self.shape, self.grid) if lead is None else float(lead)
         self.lead_rows = ts.lead_rows(self.lead)
         self.state = _RankState(hidden, intermediate, top_k, self.num_local, self.world, max_tokens_per_rank,
-                                self.grid, self.device, group if _rank_world is None else None)
+                                self.grid, self.device, group if _rank_world is None else None, self.fp8)
         self.peer_ptrs = None
         if self.state.bases is not None:
             self.peer_ptrs = torch.tensor(self.state.peer_addresses(self.world), dtype=torch.int64,
@@ -173,7 +191,8 @@ class MegaMoE:
         self.rec_cap = 0
         self.records = torch.zeros(8, dtype=torch.int64, device=self.device)
         self.w1 = self.w2 = None
-        self.kernel = _compiled(hidden, intermediate, top_k, self.num_local, self.instrument)
+        self.w1_scale = self.w2_scale = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self.kernel = _compiled(hidden, intermediate, top_k, self.num_local, self.instrument, self.precision)
         from megamoe import ops
 
         self.handle = ops.register(self)  # torch.ops.xstage.megamoe names the layer by it
@@ -197,7 +216,19 @@ class MegaMoE:
                                  f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
             if w.dtype != torch.bfloat16:
                 raise ValueError(f"{name} must be bfloat16, got {w.dtype}")
-        self.w1, self.w2 = (t.to(self.device) for t in transform_weights(w1, w2, self.experts))
+        if not self.fp8:
+            self.w1, self.w2 = (t.to(self.device) for t in transform_weights(w1, w2, self.experts))
+            return
+        # W8A8: 128 x 128 block scales in the weights' own layout (megamoe.reference's recipe), then the same
+        # gate/up interleave on the e4m3 bytes; the kernel reads a tile's gate and up scales separately
+        from megamoe.reference import quantize_fp8_blockwise_weights
+
+        local = slice(self.experts.start, self.experts.stop)
+        q1, s1 = quantize_fp8_blockwise_weights(w1[local].to(self.device))
+        q2, s2 = quantize_fp8_blockwise_weights(w2[local].to(self.device))
+        q1t, q2t = transform_weights(q1.view(torch.uint8), q2.view(torch.uint8), range(0, self.num_local))
+        self.w1, self.w2 = q1t.view(torch.float8_e4m3fn), q2t.view(torch.float8_e4m3fn)
+        self.w1_scale, self.w2_scale = s1.contiguous().view(-1), s2.contiguous().view(-1)
 
     def check_inputs(self, x, topk_idx, topk_weights):
         if self.w1 is None:
@@ -253,7 +284,7 @@ class MegaMoE:
         self.kernel(x, topk_idx, topk_weights, self.w1, self.w2, y, st.pool, st.inter, st.pool_src, st.pool_w,
                     st.combine, st.counts, st.tok_slot, st.l1_done, st.barrier,
                     self.peer_ptrs if peer_ptrs is None else peer_ptrs, st.epoch, st.done, st.errors, self.records,
-                    self.rank, self.world, self.max_tokens, order, self.experts_per_wave(x.shape[0]),
+                    st.pool_scale, st.inter_scale, self.w1_scale, self.w2_scale, self.rank, self.world, self.max_tokens, order, self.experts_per_wave(x.shape[0]),
                     self.lead_rows, self.grid, TIMEOUT_NS, self.rec_cap)
 
     def forward(self, x, topk_idx, topk_weights, schedule: str | None = None) -> torch.Tensor:
@@ -302,12 +333,12 @@ class EmulatedMoE:
 
     def __init__(self, world: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
                  max_tokens_per_rank: int = 4096, schedule: str = "interleaved", lead=None, instrument=False,
-                 device=None):
+                 device=None, dtype=torch.bfloat16):
         if world < 1:
             raise ValueError(f"world must be >= 1, got {world}")
         sms = torch.cuda.get_device_properties(device or torch.cuda.current_device()).multi_processor_count
         per = (sms // world) - (sms // world) % 2
-        self.ranks = [MegaMoE(None, num_experts, top_k, hidden, intermediate, schedule=schedule, lead=lead,
+        self.ranks = [MegaMoE(None, num_experts, top_k, hidden, intermediate, dtype=dtype, schedule=schedule, lead=lead,
                               max_tokens_per_rank=max_tokens_per_rank, instrument=instrument, num_sms=per,
                               device=device, _rank_world=(r, world)) for r in range(world)]
         table = peer_table([m.state for m in self.ranks], self.ranks[0].device)

@@ -30,8 +30,6 @@ tile entry, when its first K block arrived (the MMA side's wait at tile entry), 
 """
 from __future__ import annotations
 
-import enum
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -46,39 +44,36 @@ from quack import copy_utils, layout_utils, sm90_utils
 from cute_kernels import flags as fl
 from cute_kernels.tile_epilogue import WarpgroupTileStore
 from megamoe import tile_stream as ts
+from megamoe.phases import (AMAX_FLOOR, FP8_MAX, NUM_THREADS, PEER_KINDS, WG_THREADS, DispatchCombineMixin,
+                            NamedBarrierMoE)
 
 BLOCK_M = 128
 BLOCK_N = 128
-BLOCK_K = 64  # one pipeline stage's K extent (BLOCK_K of megamoe.schedule is the 128-wide scale block)
-WG_THREADS = 128
-NUM_THREADS = 3 * WG_THREADS
+# one pipeline stage's K extent: 64 bf16 or 128 FP8 elements (128 bytes, one swizzle row; for FP8 also the
+# 128-wide scale block, promoted to fp32 once per stage)
+STAGE_K = {"bf16": 64, "w8a8": 128}
+PRECISIONS = tuple(STAGE_K)
 REC_FIELDS = 8  # packed tile, smid, t_entry, t_data, t_mma_end, t_store_end (globaltimer ns), ck_store (cycles), 0
-PEER_KINDS = ("pool", "pool_src", "pool_w", "combine", "counts", "barrier")  # rows of the peer pointer table
-ERR_BAD_EXPERT = 5
 ERR_L1_TIMEOUT = 6
-fl.ERROR_NAMES.setdefault(ERR_BAD_EXPERT, "an expert id is out of range (valid: 0 <= id < num_experts, or -1)")
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
 
 
-class NamedBarrierMoE(enum.IntEnum):
-    """Named barriers (0 is __syncthreads)."""
-    Epilogue = 1  # 1, 2: one per MMA warpgroup, around its staged rows
-    MmaGroups = 3  # both MMA warpgroups: the end of the walk and the combine
-
-
-class MegaMoEForward:
+class MegaMoEForward(DispatchCombineMixin):
     """``hidden``, ``intermediate``: the layer (multiples of 128); ``top_k``; ``num_local_experts``: experts
     per rank; ``max_world``: the largest world size the launch may take (shared-memory tables);
-    ``instrument``: per-tile records."""
+    ``instrument``: per-tile records; ``precision``: "bf16", or "w8a8" (e4m3 weights with 128 x 128 block
+    scales, activations quantized by Dispatch in 1 x 128 runs, h re-quantized by the L1 epilogue in 1 x 64
+    runs, one per L1 tile, so no scale needs a cross-CTA reduction; WGMMA accumulates each 128-wide K block
+    into a fresh accumulator that is promoted into the fp32 total with its scales: DeepGEMM's recipe)."""
 
     num_producer_regs = 40
     num_mma_regs = 232
     ab_stages = 5
 
     def __init__(self, hidden: int, intermediate: int, top_k: int, num_local_experts: int, max_world: int = 8,
-                 instrument: bool = False, dtype=cutlass.BFloat16):
-        if dtype is not cutlass.BFloat16:
-            raise ValueError("MegaMoEForward is built for bf16 (FP8 W8A8 is not implemented yet)")
+                 instrument: bool = False, precision: str = "bf16"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         for name, v in (("hidden", hidden), ("intermediate", intermediate)):
             if v <= 0 or v % BLOCK_N:
                 raise ValueError(f"{name} must be a positive multiple of {BLOCK_N}, got {v}")
@@ -88,11 +83,14 @@ class MegaMoEForward:
             raise ValueError(f"num_local_experts ({num_local_experts}) x max_world ({max_world}) must be in 1..4096")
         self.hidden, self.intermediate, self.top_k = hidden, intermediate, top_k
         self.num_local_experts, self.max_world, self.instrument = num_local_experts, max_world, bool(instrument)
-        self.dtype = dtype
+        self.dtype = cutlass.BFloat16  # x, y, the combine rows
+        self.precision, self.fp8 = precision, precision == "w8a8"
+        self.ab_dtype = cutlass.Float8E4M3FN if self.fp8 else cutlass.BFloat16  # the GEMM operands
+        self.bk = STAGE_K[precision]
         self.n1 = 2 * intermediate // BLOCK_N  # L1 N blocks (gate + up interleaved by 64)
         self.n2 = hidden // BLOCK_N
-        self.k1 = hidden // BLOCK_K
-        self.k2 = intermediate // BLOCK_K
+        self.k1 = hidden // self.bk
+        self.k2 = intermediate // self.bk
         # the two MMA warpgroups split each tile, 64 rows each (a pingpong split, a whole tile per warpgroup,
         # crashed on the H200 and was not measured: docs/FINDINGS.md, megamoe_pingpong)
         self.wg_rows = BLOCK_M // 2
@@ -102,7 +100,7 @@ class MegaMoEForward:
     # ---------------------------------------------------------------- host
     def fake_args(self):
         H, I, k, E = self.hidden, self.intermediate, self.top_k, self.num_local_experts
-        bf16 = self.dtype
+        bf16, ab = self.dtype, self.ab_dtype
 
         def mat(dtype, cols, rows=None):
             return make_fake_tensor(dtype, (rows or cute.sym_int64(), cols), stride=(cols, 1), assumed_align=16)
@@ -111,11 +109,11 @@ class MegaMoEForward:
             return make_fake_tensor(dtype, (cute.sym_int64(),), stride=(1,), assumed_align=align)
 
         # x, idx, weights, w1, w2, y, pool, intermediate, pool_src, pool_w, combine, counts, tok_slot, l1_done,
-        # barrier, peer_ptrs, epoch, done, errors, records
-        return (mat(bf16, H), mat(Int32, k), mat(Float32, k), mat(bf16, H), mat(bf16, I), mat(bf16, H),
-                mat(bf16, H), mat(bf16, I), vec(Int32), vec(Float32), mat(bf16, H), vec(Int32), vec(Int32),
+        # barrier, peer_ptrs, epoch, done, errors, records, then the FP8 scales (pool, intermediate, w1, w2)
+        return (mat(bf16, H), mat(Int32, k), mat(Float32, k), mat(ab, H), mat(ab, I), mat(bf16, H),
+                mat(ab, H), mat(ab, I), vec(Int32), vec(Float32), mat(bf16, H), vec(Int32), vec(Int32),
                 vec(Int32), vec(Int64, 8), vec(Int64, 8), vec(Int64, 8), vec(Int32), vec(Int32), vec(Int64, 8),
-                Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int32(0), Int32(1), Int64(1), Int32(1))
+                vec(Float32), vec(Float32), vec(Float32), vec(Float32), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int32(0), Int32(1), Int64(1), Int32(1))
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mIdx: cute.Tensor, mWgt: cute.Tensor, mW1: cute.Tensor,
@@ -123,7 +121,7 @@ class MegaMoEForward:
                  pool_src: cute.Tensor, pool_w: cute.Tensor, mComb: cute.Tensor, counts: cute.Tensor,
                  tok_slot: cute.Tensor, l1_done: cute.Tensor, barrier: cute.Tensor, peer_ptrs: cute.Tensor,
                  epoch: cute.Tensor, done: cute.Tensor, errors: cute.Tensor, records: cute.Tensor,
-                 rank: Int32, world: Int32, max_tokens: Int32, order: Int32, experts_per_wave: Int32,
+                 s_pool: cute.Tensor, s_inter: cute.Tensor, s_w1: cute.Tensor, s_w2: cute.Tensor, rank: Int32, world: Int32, max_tokens: Int32, order: Int32, experts_per_wave: Int32,
                  lead: Int32, grid: Int32, timeout_ns: Int64, rec_cap: Int32, stream: cuda.CUstream):
         """``mX`` (T, H) this rank's tokens, ``mIdx``/``mWgt`` (T, top_k) routing; ``mW1`` (E_l * 2I, H) and
         ``mW2`` (E_l * H, I) this rank's experts (load_weights' layout); ``mY`` (T, H). Symmetric (peers write):
@@ -131,27 +129,31 @@ class MegaMoEForward:
         (2 * E_l), ``barrier`` (1). Local: ``mInter`` (rows, I), ``tok_slot`` (max_tokens * top_k),
         ``l1_done`` (rows / 128), ``epoch``, ``done``, ``errors``, ``records``. ``peer_ptrs`` (6 * world):
         every rank's address of each symmetric buffer, in PEER_KINDS order. ``order``: tile_stream.WAVE or
-        INTERLEAVED; ``lead``: D in whole rows."""
+        INTERLEAVED; ``lead``: D in whole rows. w8a8: the operands are e4m3 and ``s_pool`` (rows x H/128,
+        symmetric: Dispatch writes it), ``s_inter`` (rows x I/64), ``s_w1`` (E_l x 2I/128 x H/128, the
+        weights' own layout, gate then up) and ``s_w2`` (E_l x H/128 x I/128) hold their fp32 scales; bf16
+        kernels take small unused tensors there."""
         atoms = (2, 1, 1)  # warpgroups per tile
+        ab = self.ab_dtype
         mma = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            ab, ab, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=atoms, tiler_mn=(64, BLOCK_N))
         mma_half = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            ab, ab, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=atoms, tiler_mn=(64, BLOCK_N // 2))
-        sA_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_K), self.ab_stages)
-        sB_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_N, BLOCK_K), self.ab_stages)
+        sA_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_M, self.bk), self.ab_stages)
+        sB_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_N, self.bk), self.ab_stages)
         # staging: one 128 x 128 bf16 buffer; an L1 tile's 128 x 64 h uses its first half (sH is a view of sC)
         sC_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N))
         sH_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N // 2))
         op = cpasync.CopyBulkTensorTileG2SOp()
         one_a = cute.select(sA_layout, mode=[0, 1])
         one_b = cute.select(sB_layout, mode=[0, 1])
-        tma_x, gX = cpasync.make_tiled_tma_atom(op, mPool, one_a, (BLOCK_M, BLOCK_K))
-        tma_h, gH = cpasync.make_tiled_tma_atom(op, mInter, one_a, (BLOCK_M, BLOCK_K))
-        tma_w1, gW1 = cpasync.make_tiled_tma_atom(op, mW1, one_b, (BLOCK_N, BLOCK_K))
-        tma_w2, gW2 = cpasync.make_tiled_tma_atom(op, mW2, one_b, (BLOCK_N, BLOCK_K))
-        tx = cute.size_in_bytes(self.dtype, one_a) + cute.size_in_bytes(self.dtype, one_b)
+        tma_x, gX = cpasync.make_tiled_tma_atom(op, mPool, one_a, (BLOCK_M, self.bk))
+        tma_h, gH = cpasync.make_tiled_tma_atom(op, mInter, one_a, (BLOCK_M, self.bk))
+        tma_w1, gW1 = cpasync.make_tiled_tma_atom(op, mW1, one_b, (BLOCK_N, self.bk))
+        tma_w2, gW2 = cpasync.make_tiled_tma_atom(op, mW2, one_b, (BLOCK_N, self.bk))
+        tx = cute.size_in_bytes(ab, one_a) + cute.size_in_bytes(ab, one_b)
         E = self.num_local_experts
 
         @cute.struct
@@ -160,12 +162,12 @@ class MegaMoEForward:
             row_off: cute.struct.MemRange[Int32, E + 1]  # this rank's O_e (rows of 128), O[E] = P
             n_tok: cute.struct.MemRange[Int32, E]  # this rank's token rows per expert
             owner_off: cute.struct.MemRange[Int32, self.max_world * E]  # every owner's O_e (Dispatch)
-            sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sA_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sB_layout)], 1024]
+            sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sB_layout)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sC_layout)], 1024]
 
         self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
-                    peer_ptrs, epoch, done, errors, records, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2,
+                    peer_ptrs, epoch, done, errors, records, (s_pool, s_inter, s_w1, s_w2), gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2,
                     sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
                     experts_per_wave, lead, timeout_ns, rec_cap, SharedStorage).launch(
             grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
@@ -173,7 +175,7 @@ class MegaMoEForward:
     # ---------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
-               peer_ptrs, epoch, done, errors, records, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
+               peer_ptrs, epoch, done, errors, records, scales, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
                tma_h: cute.CopyAtom, tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout, sH_layout: cute.ComposedLayout,
                mma: cute.TiledMma, mma_half: cute.TiledMma, tx: cutlass.Constexpr, rank: Int32, world: Int32,
@@ -217,108 +219,11 @@ class MegaMoEForward:
                           walk, l1_done, errors, timeout_ns)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
-            self.mma(mInter, pool_src, pool_w, peer_ptrs, records, storage, (sA_layout, sB_layout, sC_layout,
+            self.mma(mInter, pool_src, pool_w, peer_ptrs, records, scales, storage, (sA_layout, sB_layout, sC_layout,
                      sH_layout), mma, mma_half, pipe, walk, s_ntok, l1_done, world, max_tokens, rec_cap,
                      tidx - WG_THREADS)
             self.finish(mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, (e_launch * 3 + 3) * arrivals,
                         e_launch, world, timeout_ns, tidx - WG_THREADS, bidx, grid)
-
-    # ---------------------------------------------------------------- phases 1, 2: count and dispatch
-    @staticmethod
-    def peer(peer_ptrs, kind: str, j, world, dtype, align):
-        """Rank ``j``'s address of symmetric buffer ``kind`` (the table is PEER_KINDS x world)."""
-        return cute.make_ptr(dtype, peer_ptrs[PEER_KINDS.index(kind) * world + j], cute.AddressSpace.gmem,
-                             assumed_align=align)
-
-    @cute.jit
-    def count(self, mIdx, counts, tok_slot, l1_done, peer_ptrs, errors, parity, world, tidx, bidx, grid):
-        """Zero this launch's local counters and the other parity's counts; take a slot per routed (t, k)."""
-        E = self.num_local_experts
-        k = self.top_k
-        gtid = bidx * NUM_THREADS + tidx
-        gstride = grid * NUM_THREADS
-        for i in cutlass.range(gtid, Int32(cute.size(l1_done)), gstride, unroll=1):
-            l1_done[i] = Int32(0)
-        for i in cutlass.range(gtid, E, gstride, unroll=1):
-            counts[(1 - parity) * E + i] = Int32(0)
-        num_tokens = Int32(cute.size(mIdx, mode=[0]))
-        for q in cutlass.range(gtid, num_tokens * k, gstride, unroll=1):
-            e = mIdx[q // k, q % k]
-            if e >= 0 and e < world * E:
-                owner = e // E
-                cnt = self.peer(peer_ptrs, "counts", owner, world, Int32, 4)
-                tok_slot[q] = cute.arch.atomic_add((cnt + (parity * E + e - owner * E)).llvm_ptr, Int32(1),
-                                                   sem="relaxed", scope="sys")
-            elif e != -1:
-                fl.record_error(errors, Int32(ERR_BAD_EXPERT), bidx, e)
-
-    @cute.jit
-    def cross_rank_barrier(self, barrier, peer_ptrs, target: Int64, world, errors, timeout_ns, tidx, bidx):
-        """Every thread of the CTA: its stores so far are performed at system scope before any rank passes.
-        Thread 0 fences (cumulative after the CTA barrier), adds one arrival on every rank's monotone counter
-        and waits (bounded) for this launch's ``target`` on its own."""
-        cute.arch.sync_threads()
-        if tidx == 0:
-            cute.arch.fence_acq_rel_sys()
-            for j in cutlass.range(world, unroll=1):
-                ptr = self.peer(peer_ptrs, "barrier", j, world, Int64, 8)
-                cute.arch.red(ptr.llvm_ptr, Int64(1), op="add", dtype="u64", sem="release", scope="sys")
-            fl.wait_geq(barrier, Int32(0), target, timeout_ns, errors, Int32(fl.ERR_GRID_BARRIER_TIMEOUT), bidx,
-                        "sys", 0, True)
-        cute.arch.sync_threads()
-
-    @cute.jit
-    def dispatch(self, mX, mIdx, mWgt, tok_slot, peer_ptrs, s_owner, s_row_off, s_ntok, parity, rank, world,
-                 max_tokens, tidx, bidx, grid):
-        """Every owner's expert row offsets into shared memory, then one warp per routed (t, k) pushes the token
-        row, its source slot and its weight into the owner's pool."""
-        E = self.num_local_experts
-        k = self.top_k
-        H = self.hidden
-        for i in cutlass.range(tidx, world * E, NUM_THREADS, unroll=1):
-            owner = i // E
-            cnt = self.peer(peer_ptrs, "counts", owner, world, Int32, 4)
-            s_owner[i] = cute.arch.load((cnt + (parity * E + i - owner * E)).llvm_ptr, Int32, sem="relaxed",
-                                        scope="sys")
-        cute.arch.sync_threads()
-        # per owner, one thread turns counts into exclusive row offsets (rows of BLOCK_M): E adds, a few us
-        for owner in cutlass.range(tidx, world, NUM_THREADS, unroll=1):
-            run = Int32(0)
-            for e in cutlass.range(E, unroll=1):
-                n = s_owner[owner * E + e]
-                if owner == rank:
-                    s_ntok[e] = n
-                    s_row_off[e] = run
-                s_owner[owner * E + e] = run
-                run = run + (n + BLOCK_M - 1) // BLOCK_M
-            if owner == rank:
-                s_row_off[E] = run
-        cute.arch.sync_threads()
-        lane = tidx % 32
-        gwarp = bidx * (NUM_THREADS // 32) + tidx // 32
-        gwarps = grid * (NUM_THREADS // 32)
-        num_tokens = Int32(cute.size(mIdx, mode=[0]))
-        vec = 8  # bf16 per 128-bit store
-        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        for q in cutlass.range(gwarp, num_tokens * k, gwarps, unroll=1):
-            t = q // k
-            e = mIdx[t, q % k]
-            if e >= 0 and e < world * E:
-                owner = e // E
-                row = s_owner[e] * BLOCK_M + tok_slot[q]
-                src = mX.iterator + cute.assume(Int64(t) * H, divby=vec)
-                dst = (self.peer(peer_ptrs, "pool", owner, world, self.dtype, 16)
-                       + cute.assume(Int64(row) * H, divby=vec))
-                frag = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
-                for v in cutlass.range(lane, H // vec, 32, unroll=2):
-                    off = cute.assume(v * vec, divby=vec)
-                    cute.copy(copy_atom, cute.make_tensor(src + off, cute.make_layout(vec)), frag)
-                    cute.copy(copy_atom, frag, cute.make_tensor(dst + off, cute.make_layout(vec)))
-                if lane == 0:
-                    ps = self.peer(peer_ptrs, "pool_src", owner, world, Int32, 4)
-                    pw = self.peer(peer_ptrs, "pool_w", owner, world, Float32, 4)
-                    cute.arch.store((ps + row).llvm_ptr, Int32(rank * max_tokens * k + q))
-                    cute.arch.store((pw + row).llvm_ptr, Float32(mWgt[t, q % k]))
 
     # ---------------------------------------------------------------- phase 3: the producer warp
     @cute.jit
@@ -339,9 +244,9 @@ class MegaMoEForward:
             e = ts.expert_of_row(s_row_off, p, E)
             if kind == ts.KIND_L1:
                 load_a, _, _ = copy_utils.tma_get_copy_fn(tma_x, 0, cute.make_layout(1), cute.local_tile(
-                    gX, (BLOCK_M, BLOCK_K), (p, None)), sA)
+                    gX, (BLOCK_M, self.bk), (p, None)), sA)
                 load_b, _, _ = copy_utils.tma_get_copy_fn(tma_w1, 0, cute.make_layout(1), cute.local_tile(
-                    gW1, (BLOCK_N, BLOCK_K), (e * self.n1 + n, None)), sB)
+                    gW1, (BLOCK_N, self.bk), (e * self.n1 + n, None)), sB)
                 for kb in cutlass.range(self.k1, unroll=1):
                     pipe.producer_acquire(state)
                     load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
@@ -353,9 +258,9 @@ class MegaMoEForward:
                 # the intermediate was written by generic-proxy stores; TMA reads through the async proxy
                 cute.arch.fence_proxy("async.global")
                 load_a, _, _ = copy_utils.tma_get_copy_fn(tma_h, 0, cute.make_layout(1), cute.local_tile(
-                    gH, (BLOCK_M, BLOCK_K), (p, None)), sA)
+                    gH, (BLOCK_M, self.bk), (p, None)), sA)
                 load_b, _, _ = copy_utils.tma_get_copy_fn(tma_w2, 0, cute.make_layout(1), cute.local_tile(
-                    gW2, (BLOCK_N, BLOCK_K), (e * self.n2 + n, None)), sB)
+                    gW2, (BLOCK_N, self.bk), (e * self.n2 + n, None)), sB)
                 for kb in cutlass.range(self.k2, unroll=1):
                     pipe.producer_acquire(state)
                     load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
@@ -390,7 +295,7 @@ class MegaMoEForward:
         return state, t_data
 
     @cute.jit
-    def mma(self, mInter, pool_src, pool_w, peer_ptrs, records, storage, layouts, mma, mma_half, pipe, walk,
+    def mma(self, mInter, pool_src, pool_w, peer_ptrs, records, scales, storage, layouts, mma, mma_half, pipe, walk,
             s_ntok, l1_done, world, max_tokens, rec_cap, tidx):
         """The two MMA warpgroups: per tile of the walk its mainloop, then the epilogue of each warpgroup's 64
         rows (L1: SwiGLU x weight to the intermediate and the row's counter; L2: rows to their source ranks)."""
@@ -407,7 +312,12 @@ class MegaMoEForward:
         wg_half = mma_half.get_slice(wg * WG_THREADS)
         sC_rows = cute.local_tile(sC, (64, BLOCK_N), (wg, 0))
         sH_rows = cute.local_tile(sH, (64, BLOCK_N // 2), (wg, 0))
-        acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(wg_mma, (BLOCK_M, BLOCK_N, BLOCK_K), sA, sB)
+        acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(wg_mma, (BLOCK_M, BLOCK_N, self.bk), sA, sB)
+        acc_blk = None
+        if const_expr(self.fp8):  # one K block's product, promoted into acc with its scales
+            acc_blk = cute.make_fragment_like(acc)
+        arow = cute.make_rmem_tensor(cute.make_layout(cute.size(layout_utils.reshape_acc_to_mn(acc), mode=[0])),
+                                     Int32)  # FP8: this thread's pool rows, for the activation scales
         acc_h = cute.make_rmem_tensor(wg_half.partition_shape_C((BLOCK_M, BLOCK_N // 2)), Float32)
         st_atom = copy_utils.get_smem_store_atom(self.dtype)
         thr_c = cute.make_tiled_copy_C(st_atom, mma).get_slice(tidx)
@@ -445,12 +355,19 @@ class MegaMoEForward:
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
             else:
                 self.combine_destinations(dst, store_c, pool_src, peer_ptrs, row0, valid - wg * 64, max_tokens, world)
-            state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
+            if const_expr(self.fp8):
+                state, t_data = self.mainloop_fp8_tile(mma, acc, acc_blk, tCrA, tCrB, pipe, state, n_kb, kind, e, n,
+                                                       p, arow, rows_c, scales, l1_done)
+            else:
+                state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
             if const_expr(self.instrument):
                 t_mma = cute.arch.globaltimer()
             t_rs = Int64(0)
             if kind == ts.KIND_L1:
-                self.epilogue_l1(acc, acc_h, staging_h, wts, mInter, l1_done, p, n, row0, bar, tidx)
+                if const_expr(self.fp8):
+                    self.epilogue_l1_fp8(acc, wts, mInter, scales[1], l1_done, p, n, rows_c, bar, tidx)
+                else:
+                    self.epilogue_l1(acc, acc_h, staging_h, wts, mInter, l1_done, p, n, row0, bar, tidx)
             else:
                 t_rs = self.epilogue_l2(acc, staging_c, dst, n, bar)
             if const_expr(self.instrument):
@@ -468,6 +385,124 @@ class MegaMoEForward:
             j = j + 1
             found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
                                                      self.n1, self.n2, E)
+
+    # ---------------------------------------------------------------- FP8 W8A8: mainloop and L1 epilogue
+    @cute.jit
+    def wgmma_k(self, mma, acc, tCrA, tCrB, stage, k0: cutlass.Constexpr, k1: cutlass.Constexpr):
+        """acc = A B over the k32 WGMMA steps [k0, k1) of shared-memory stage ``stage`` (a fresh accumulator),
+        issued and committed, not waited for."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, False)
+        for k in cutlass.range_constexpr(k0, k1):
+            cute.gemm(atom, acc, tCrA[None, None, k, stage], tCrB[None, None, k, stage], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def promote(self, acc, acc_blk, sa: cute.Tensor, sb_lo, sb_hi):
+        """acc += acc_blk * sa[row] * sb: columns [0, 64) of the tile take ``sb_lo`` (L1: the gate rows' weight
+        block), [64, 128) ``sb_hi`` (L1: the up rows'; L2: the same block)."""
+        acc_mn = layout_utils.reshape_acc_to_mn(acc)
+        blk_mn = layout_utils.reshape_acc_to_mn(acc_blk)
+        half = cute.size(acc_mn, mode=[1]) // 2
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            lo = sa[r] * sb_lo
+            hi = sa[r] * sb_hi
+            for c in cutlass.range_constexpr(half):
+                acc_mn[r, c] = acc_mn[r, c] + blk_mn[r, c] * lo
+                acc_mn[r, c + half] = acc_mn[r, c + half] + blk_mn[r, c + half] * hi
+
+    @cute.jit
+    def mainloop_fp8_tile(self, mma, acc, acc_blk, tCrA, tCrB, pipe, state, n_kb, kind, e, n, p, arow, rows_c,
+                          scales, l1_done):
+        """acc = the tile's fp32 product over ``n_kb`` 128-wide K blocks, each WGMMA'd into ``acc_blk`` and
+        promoted with its scales. L1: activation scales of the pool rows (1 x 128, one per block), weight
+        scales of the gate and the up block; L2: the intermediate's 1 x 64 scales, two per block (so each
+        block is two half-blocks), and one weight scale."""
+        s_pool, s_inter, s_w1, s_w2 = scales
+        H, I = self.hidden, self.intermediate
+        for r in cutlass.range_constexpr(cute.size(arow)):
+            arow[r] = p * BLOCK_M + rows_c[r, 0][0]
+        sa = cute.make_rmem_tensor(cute.make_layout(cute.size(arow)), Float32)
+        acc.fill(0.0)
+        t_data = Int64(0)
+        if kind == ts.KIND_L1:
+            wb = (e * (2 * I // 128) + n // 2) * (H // 128)  # the gate rows' weight block row; up: I / 128 later
+            ub = wb + (I // 128) * (H // 128)
+            for kb in cutlass.range(n_kb, unroll=1):
+                pipe.consumer_wait(state)
+                if const_expr(self.instrument):
+                    if kb == 0:
+                        t_data = cute.arch.globaltimer()
+                self.wgmma_k(mma, acc_blk, tCrA, tCrB, state.index, 0, cute.size(tCrA, mode=[2]))
+                for r in cutlass.range_constexpr(cute.size(arow)):  # loads under the WGMMA
+                    sa[r] = s_pool[arow[r] * (H // 128) + kb]
+                sb_g = s_w1[wb + kb]
+                sb_u = s_w1[ub + kb]
+                warpgroup.wait_group(0)
+                pipe.consumer_release(state)
+                self.promote(acc, acc_blk, sa, sb_g, sb_u)
+                state.advance()
+        else:
+            # the scales below were stored by other CTAs' L1 epilogues before their release on l1_done[p]; they
+            # are read after this stage's data arrived, i.e. after the producer's acquire of that counter
+            # (producer acquire -> its TMA -> the stage's mbarrier -> this warpgroup's wait)
+            wb = (e * (H // 128) + n) * (I // 128)
+            ksteps = cute.size(tCrA, mode=[2])
+            for kb in cutlass.range(n_kb, unroll=1):
+                pipe.consumer_wait(state)
+                if const_expr(self.instrument):
+                    if kb == 0:
+                        t_data = cute.arch.globaltimer()
+                sb = s_w2[wb + kb]
+                for hb in cutlass.range_constexpr(2):  # the two 64-wide activation-scale runs of this block
+                    self.wgmma_k(mma, acc_blk, tCrA, tCrB, state.index, hb * ksteps // 2, (hb + 1) * ksteps // 2)
+                    for r in cutlass.range_constexpr(cute.size(arow)):
+                        sa[r] = s_inter[arow[r] * (I // 64) + 2 * kb + hb]
+                    warpgroup.wait_group(0)
+                    self.promote(acc, acc_blk, sa, sb, sb)
+                pipe.consumer_release(state)
+                state.advance()
+        return state, t_data
+
+    @cute.jit
+    def epilogue_l1_fp8(self, acc, wts, mInter, s_inter, l1_done, p, n, rows_c, bar, tidx):
+        """FP8 L1 tile, this warpgroup's 64 rows: h = silu(gate) * up * weight in fp32, then per row one 1 x 64
+        scale (the row's 64 columns are this thread's 16 and its quad's: two shuffles), h / scale as e4m3
+        (two adjacent columns per 16-bit store) and the scale, then the row's counter."""
+        acc_mn = layout_utils.reshape_acc_to_mn(acc)
+        half = cute.size(acc_mn, mode=[1]) // 2
+        I = self.intermediate
+        h = cute.make_rmem_tensor(cute.make_layout(half), Float32)
+        pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        atom16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=16)
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            amax = Float32(0.0)
+            for c in cutlass.range_constexpr(half):
+                g = acc_mn[r, c]
+                v = g / (Float32(1.0) + cute.math.exp(-g, fastmath=True)) * acc_mn[r, c + half] * wts[r]
+                h[c] = v
+                amax = cute.arch.fmax(amax, cutlass.max(v, -v))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 2))
+            scale = cute.arch.fmax(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
+            row = p * BLOCK_M + rows_c[r, 0][0]
+            for i in cutlass.range_constexpr(half // 2):
+                col = rows_c[r, 2 * i][1]  # < 64: the tile's intermediate column
+                for j in cutlass.range_constexpr(2):
+                    q = h[2 * i + j] / scale
+                    pair[j] = cutlass.min(cutlass.max(q, Float32(-FP8_MAX)), Float32(FP8_MAX))
+                q8 = cute.make_rmem_tensor(cute.make_layout(2), self.ab_dtype)
+                q8.store(pair.load().to(self.ab_dtype))
+                dst = mInter.iterator + cute.assume(Int64(row) * I + n * (BLOCK_N // 2) + col, divby=2)
+                cute.copy(atom16, q8, cute.make_tensor(dst, cute.make_layout(2)))
+            if tidx % 4 == 0:
+                s_inter[row * (I // 64) + n] = scale
+        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)
+        if tidx % WG_THREADS == 0:
+            cute.arch.fence_acq_rel_gpu()  # cumulative: covers the warpgroup's stores ordered by the barrier
+            fl.signal_add(l1_done, p, 1, "gpu")
 
     @cute.jit
     def epilogue_l1(self, acc, acc_h, staging, wts, mInter, l1_done, p, n, row0, bar, tidx):
@@ -547,45 +582,3 @@ class MegaMoEForward:
                     n * BLOCK_N, divby=BLOCK_N)
                 g_dst = cute.make_tensor(base, cute.make_layout((rows, BLOCK_N), stride=(0, 1)))
                 cute.copy(tiled_copy, regs[None, c, None], thr_copy.partition_D(g_dst)[None, c, None])
-
-    # ---------------------------------------------------------------- phase 4: combine
-    @cute.jit
-    def finish(self, mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, target, e_launch, world,
-               timeout_ns, tidx, bidx, grid):
-        """The MMA warpgroups after their walk: barrier B3 over every rank, then y = sum_k combine rows (one warp
-        per token), then the last CTA advances the epoch."""
-        cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
-        if tidx == 0:
-            cute.arch.fence_acq_rel_sys()
-            for j in cutlass.range(world, unroll=1):
-                ptr = self.peer(peer_ptrs, "barrier", j, world, Int64, 8)
-                cute.arch.red(ptr.llvm_ptr, Int64(1), op="add", dtype="u64", sem="release", scope="sys")
-            fl.wait_geq(barrier, Int32(0), target, timeout_ns, errors, Int32(fl.ERR_GRID_BARRIER_TIMEOUT), bidx,
-                        "sys", 0, True)
-        cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
-        k = self.top_k
-        H = self.hidden
-        vec = 8
-        lane = tidx % 32
-        gwarp = bidx * 8 + tidx // 32
-        num_tokens = Int32(cute.size(mIdx, mode=[0]))
-        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        frag = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
-        total = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
-        for t in cutlass.range(gwarp, num_tokens, grid * 8, unroll=1):
-            for v in cutlass.range(lane, H // vec, 32, unroll=1):
-                total.fill(0.0)
-                for j in cutlass.range_constexpr(k):
-                    if mIdx[t, j] >= 0:
-                        src = mComb.iterator + cute.assume((Int64(t) * k + j) * H + v * vec, divby=vec)
-                        cute.copy(copy_atom, cute.make_tensor(src, cute.make_layout(vec)), frag)
-                        total.store(total.load() + frag.load().to(Float32))
-                frag.store(total.load().to(self.dtype))
-                dst = mY.iterator + cute.assume(Int64(t) * H + v * vec, divby=vec)
-                cute.copy(copy_atom, frag, cute.make_tensor(dst, cute.make_layout(vec)))
-        cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
-        if tidx == 0:
-            arrived = cute.arch.atomic_add(fl.elem_ptr(done, 0), Int32(1), sem="relaxed", scope="gpu")
-            if arrived == grid - 1:
-                epoch[0] = e_launch + 1
-                done[0] = Int32(0)

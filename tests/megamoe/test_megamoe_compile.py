@@ -42,6 +42,43 @@ def test_kernel_is_wgmma_with_128_bit_stores_and_no_spills(tmp_path, shape, inst
     no_spills(c.ptx)
 
 
+@pytest.mark.parametrize("instrument", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, instrument, no_spills):
+    """W8A8: e4m3 WGMMA (QGMMA in the SASS) in both mainloops (4 k32 steps per 128-wide K block in L1, 2 + 2 in
+    L2's two activation-scale halves), e4m3 conversions with saturation (Dispatch's 1 x 128 and the L1
+    epilogue's 1 x 64 quantization), 64-bit FP8 stores for the pushed rows, no spills."""
+    from cutlass.runtime import make_fake_stream
+
+    from cute_kernels.compile import compile_kernel, sass
+    from megamoe.kernel import MegaMoEForward
+
+    k = MegaMoEForward(*shape, instrument=instrument, precision="w8a8")
+    c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
+    assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == 8
+    assert c.ptx_count(r"wgmma\.mma_async[^\n]*bf16") == 0
+    assert c.ptx_count(r"cvt\.rn\.satfinite\.e4m3x2\.f32") >= 8
+    # the pushed FP8 rows, one 8-byte store per lane (st.global.v2.b32, .v4.b16 or .b64; one more .b64 is the
+    # epoch's store)
+    assert c.ptx_count(r"st\.global\.(v2\.b32|v4\.b16|b64)") >= 2
+    assert (c.ptx_count(r"%clock64") > 0) == instrument
+    text = sass(c.cubin)
+    if text is None:
+        pytest.skip("no nvdisasm on this machine (it comes with triton): cannot read the SASS")
+    assert text.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 8, "FP8 WGMMA in the SASS"
+    no_spills(c.ptx)
+
+
+def test_peer_table_rows_agree():
+    from megamoe.api import _RankState, precision_of
+    from megamoe.phases import PEER_KINDS
+
+    assert _RankState.SYMMETRIC == PEER_KINDS
+    assert precision_of(torch.bfloat16) == "bf16" and precision_of(torch.float8_e4m3fn) == "w8a8"
+    with pytest.raises(ValueError, match="W4A8 is not built"):
+        precision_of("w4a8")
+
+
 def test_constructor_refusals():
     from megamoe.kernel import MegaMoEForward
 
@@ -49,10 +86,8 @@ def test_constructor_refusals():
         MegaMoEForward(1000, 512, 2, 8)
     with pytest.raises(ValueError, match="top_k"):
         MegaMoEForward(1024, 512, 0, 8)
-    with pytest.raises(ValueError, match="bf16"):
-        import cutlass
-
-        MegaMoEForward(1024, 512, 2, 8, dtype=cutlass.Float16)
+    with pytest.raises(ValueError, match="precision"):
+        MegaMoEForward(1024, 512, 2, 8, precision="fp16")
 
 
 def test_transform_weights_interleaves_gate_and_up_by_64(seed):

@@ -3,7 +3,9 @@ CTAs each, pointer tables into each other's buffers), against the fp32 reference
 (h and each expert's output row in bf16), poisoned outputs, fresh seeded inputs.
 
 Tolerance: ||y - ref|| / ||ref|| <= 1e-2 and max |y - ref| <= 3e-2 * max |ref| (bf16 output, fp32 accumulation
-in a different order, fast exp in SiLU: an h near a bf16 rounding boundary may round the other way)."""
+in a different order, fast exp in SiLU: an h near a bf16 rounding boundary may round the other way). W8A8
+against megamoe.reference_moe_fp8 with the kernel's quantization (weights 128 x 128 blocks, x 1 x 128, h 1 x 64):
+3e-2 and 1e-1, since an h element that lands on the other side of an e4m3 rounding boundary moves by 1/16."""
 from __future__ import annotations
 
 import pytest
@@ -40,13 +42,20 @@ def _reference(x, idx, w, w1, w2):
                          combine_dtype=torch.bfloat16)
 
 
-def _close(y, ref, what):
+def _reference_fp8(x, idx, w, w1, w2):
+    from megamoe.reference import quantize_fp8_blockwise_weights, reference_moe_fp8
+
+    return reference_moe_fp8(x, idx, w, quantize_fp8_blockwise_weights(w1), quantize_fp8_blockwise_weights(w2),
+                             l2_block=64, combine_dtype=torch.bfloat16)
+
+
+def _close(y, ref, what, rel_tol=1e-2, worst_tol=3e-2):
     y = y.float()
     assert torch.isfinite(y).all(), f"{what}: non-finite output"
     scale = ref.abs().max().clamp_min(1e-6)
     rel = ((y - ref).norm() / ref.norm().clamp_min(1e-6)).item()
     worst = ((y - ref).abs().max() / scale).item()
-    assert rel <= 1e-2 and worst <= 3e-2, f"{what}: relative error {rel:.3g}, worst {worst:.3g}"
+    assert rel <= rel_tol and worst <= worst_tol, f"{what}: relative error {rel:.3g}, worst {worst:.3g}"
 
 
 def _layer(num_experts, top_k, tokens, **kw):
@@ -211,3 +220,37 @@ def test_custom_op_equals_forward(seed):
     compiled = torch.compile(lambda a, b, c: moe(a, b, c) * 1, fullgraph=True)(x, idx, w)
     moe.check_errors()
     assert torch.equal(direct, via_op) and torch.equal(direct, compiled), f"seed={seed}"
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k,mode", [(300, 8, 2, "balanced"), (1000, 16, 6, "skewed"),
+                                                          (129, 8, 1, "one_expert")])
+def test_w8a8_world1_matches_the_quantized_reference(seed, tokens, num_experts, top_k, mode):
+    moe = _layer(num_experts, top_k, tokens, dtype=torch.float8_e4m3fn)
+    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    x, idx, w = _inputs(tokens, num_experts, top_k, mode, seed, SMALL["hidden"])
+    ref = _reference_fp8(x, idx, w, w1, w2)
+    ys = {}
+    for schedule in ("wave", "interleaved"):
+        y = torch.full_like(x, float("nan"))
+        moe.launch(x, idx, w, y, schedule)
+        moe.check_errors()
+        _close(y, ref, f"w8a8 {schedule} seed={seed}", 3e-2, 1e-1)
+        ys[schedule] = y
+    assert torch.equal(ys["wave"], ys["interleaved"]), f"the two schedules differ (seed={seed})"
+
+
+def test_w8a8_emulated_two_ranks(seed):
+    from megamoe.api import EmulatedMoE
+
+    num_experts, top_k, tokens = 16, 2, [257, 100]
+    moe = EmulatedMoE(2, num_experts, top_k, SMALL["hidden"], SMALL["intermediate"], max_tokens_per_rank=300,
+                      dtype=torch.float8_e4m3fn)
+    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    ins = [_inputs(t, num_experts, top_k, "skewed", seed + r, SMALL["hidden"]) for r, t in enumerate(tokens)]
+    ys = moe.forward([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins])
+    torch.cuda.synchronize()
+    moe.check_errors()
+    for r, (y, (x, idx, w)) in enumerate(zip(ys, ins)):
+        _close(y, _reference_fp8(x, idx, w, w1, w2), f"w8a8 rank {r}/2 seed={seed}", 3e-2, 1e-1)

@@ -1,0 +1,206 @@
+"""The MegaMoE kernel's phases around its expert GEMMs (``megamoe.kernel``): Count, the cross-rank barrier,
+Dispatch (bf16 rows, or FP8 rows quantized on the way with 1 x 128 scales), and the final Combine. A mixin of
+``MegaMoEForward``: they read its shape attributes (hidden, top_k, num_local_experts, fp8)."""
+from __future__ import annotations
+
+import enum
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from cute_kernels import flags as fl
+
+NUM_THREADS = 384
+WG_THREADS = 128
+# rows of the peer pointer table: every rank's address of each symmetric buffer
+PEER_KINDS = ("pool", "pool_src", "pool_w", "combine", "counts", "barrier", "pool_scale")
+ERR_BAD_EXPERT = 5
+fl.ERROR_NAMES.setdefault(ERR_BAD_EXPERT, "an expert id is out of range (valid: 0 <= id < num_experts, or -1)")
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4  # scale = max(amax, floor) / 448: megamoe.reference's recipe (DeepGEMM's floor)
+BLOCK_M = 128
+
+
+class NamedBarrierMoE(enum.IntEnum):
+    """Named barriers (0 is __syncthreads)."""
+    Epilogue = 1  # 1, 2: one per MMA warpgroup, around its staged rows
+    MmaGroups = 3  # both MMA warpgroups: the end of the walk and the combine
+
+
+class DispatchCombineMixin:
+    @staticmethod
+    def peer(peer_ptrs, kind: str, j, world, dtype, align):
+        """Rank ``j``'s address of symmetric buffer ``kind`` (the table is PEER_KINDS x world)."""
+        return cute.make_ptr(dtype, peer_ptrs[PEER_KINDS.index(kind) * world + j], cute.AddressSpace.gmem,
+                             assumed_align=align)
+
+    @cute.jit
+    def count(self, mIdx, counts, tok_slot, l1_done, peer_ptrs, errors, parity, world, tidx, bidx, grid):
+        """Zero this launch's local counters and the other parity's counts; take a slot per routed (t, k)."""
+        E = self.num_local_experts
+        k = self.top_k
+        gtid = bidx * NUM_THREADS + tidx
+        gstride = grid * NUM_THREADS
+        for i in cutlass.range(gtid, Int32(cute.size(l1_done)), gstride, unroll=1):
+            l1_done[i] = Int32(0)
+        for i in cutlass.range(gtid, E, gstride, unroll=1):
+            counts[(1 - parity) * E + i] = Int32(0)
+        num_tokens = Int32(cute.size(mIdx, mode=[0]))
+        for q in cutlass.range(gtid, num_tokens * k, gstride, unroll=1):
+            e = mIdx[q // k, q % k]
+            if e >= 0 and e < world * E:
+                owner = e // E
+                cnt = self.peer(peer_ptrs, "counts", owner, world, Int32, 4)
+                tok_slot[q] = cute.arch.atomic_add((cnt + (parity * E + e - owner * E)).llvm_ptr, Int32(1),
+                                                   sem="relaxed", scope="sys")
+            elif e != -1:
+                fl.record_error(errors, Int32(ERR_BAD_EXPERT), bidx, e)
+
+    @cute.jit
+    def cross_rank_barrier(self, barrier, peer_ptrs, target: Int64, world, errors, timeout_ns, tidx, bidx):
+        """Every thread of the CTA: its stores so far are performed at system scope before any rank passes.
+        Thread 0 fences (cumulative after the CTA barrier), adds one arrival on every rank's monotone counter
+        and waits (bounded) for this launch's ``target`` on its own."""
+        cute.arch.sync_threads()
+        if tidx == 0:
+            cute.arch.fence_acq_rel_sys()
+            for j in cutlass.range(world, unroll=1):
+                ptr = self.peer(peer_ptrs, "barrier", j, world, Int64, 8)
+                cute.arch.red(ptr.llvm_ptr, Int64(1), op="add", dtype="u64", sem="release", scope="sys")
+            fl.wait_geq(barrier, Int32(0), target, timeout_ns, errors, Int32(fl.ERR_GRID_BARRIER_TIMEOUT), bidx,
+                        "sys", 0, True)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def dispatch(self, mX, mIdx, mWgt, tok_slot, peer_ptrs, s_owner, s_row_off, s_ntok, parity, rank, world,
+                 max_tokens, tidx, bidx, grid):
+        """Every owner's expert row offsets into shared memory, then one warp per routed (t, k) pushes the token
+        row, its source slot and its weight into the owner's pool."""
+        E = self.num_local_experts
+        k = self.top_k
+        H = self.hidden
+        for i in cutlass.range(tidx, world * E, NUM_THREADS, unroll=1):
+            owner = i // E
+            cnt = self.peer(peer_ptrs, "counts", owner, world, Int32, 4)
+            s_owner[i] = cute.arch.load((cnt + (parity * E + i - owner * E)).llvm_ptr, Int32, sem="relaxed",
+                                        scope="sys")
+        cute.arch.sync_threads()
+        # per owner, one thread turns counts into exclusive row offsets (rows of BLOCK_M): E adds, a few us
+        for owner in cutlass.range(tidx, world, NUM_THREADS, unroll=1):
+            run = Int32(0)
+            for e in cutlass.range(E, unroll=1):
+                n = s_owner[owner * E + e]
+                if owner == rank:
+                    s_ntok[e] = n
+                    s_row_off[e] = run
+                s_owner[owner * E + e] = run
+                run = run + (n + BLOCK_M - 1) // BLOCK_M
+            if owner == rank:
+                s_row_off[E] = run
+        cute.arch.sync_threads()
+        lane = tidx % 32
+        gwarp = bidx * (NUM_THREADS // 32) + tidx // 32
+        gwarps = grid * (NUM_THREADS // 32)
+        num_tokens = Int32(cute.size(mIdx, mode=[0]))
+        vec = 8  # bf16 per 128-bit store
+        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        for q in cutlass.range(gwarp, num_tokens * k, gwarps, unroll=1):
+            t = q // k
+            e = mIdx[t, q % k]
+            if e >= 0 and e < world * E:
+                owner = e // E
+                row = s_owner[e] * BLOCK_M + tok_slot[q]
+                src = mX.iterator + cute.assume(Int64(t) * H, divby=vec)
+                if const_expr(self.fp8):
+                    self.push_row_fp8(src, peer_ptrs, owner, world, row, lane)
+                else:
+                    dst = (self.peer(peer_ptrs, "pool", owner, world, self.dtype, 16)
+                           + cute.assume(Int64(row) * H, divby=vec))
+                    frag = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
+                    for v in cutlass.range(lane, H // vec, 32, unroll=2):
+                        off = cute.assume(v * vec, divby=vec)
+                        cute.copy(copy_atom, cute.make_tensor(src + off, cute.make_layout(vec)), frag)
+                        cute.copy(copy_atom, frag, cute.make_tensor(dst + off, cute.make_layout(vec)))
+                if lane == 0:
+                    ps = self.peer(peer_ptrs, "pool_src", owner, world, Int32, 4)
+                    pw = self.peer(peer_ptrs, "pool_w", owner, world, Float32, 4)
+                    cute.arch.store((ps + row).llvm_ptr, Int32(rank * max_tokens * k + q))
+                    cute.arch.store((pw + row).llvm_ptr, Float32(mWgt[t, q % k]))
+
+    @cute.jit
+    def push_row_fp8(self, src, peer_ptrs, owner, world, row, lane):
+        """One warp: the bf16 token row at ``src`` quantized in 1 x 128 runs (megamoe.reference's recipe:
+        scale = max(amax, 1e-4) / 448, q = x / scale) into the owner's FP8 pool row ``row`` and its scales.
+        Each half-warp takes one run per step (16 lanes x 8 elements), its amax by shuffles within the half."""
+        H = self.hidden
+        runs = H // 128
+        half, sub = lane % 16, lane // 16
+        ld = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        st = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=64)
+        pool = self.peer(peer_ptrs, "pool", owner, world, self.ab_dtype, 16)
+        pool_scale = self.peer(peer_ptrs, "pool_scale", owner, world, Float32, 4)
+        x8 = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
+        q = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        q8 = cute.make_rmem_tensor(cute.make_layout(8), self.ab_dtype)
+        for it in cutlass.range((runs + 1) // 2, unroll=1):
+            run = cutlass.min(2 * it + sub, Int32(runs - 1))  # the odd count's last step: both halves, one stores
+            col = run * 128 + half * 8
+            cute.copy(ld, cute.make_tensor(src + cute.assume(col, divby=8), cute.make_layout(8)), x8)
+            q.store(x8.load().to(Float32))
+            amax = Float32(0.0)
+            for j in cutlass.range_constexpr(8):
+                amax = cute.arch.fmax(amax, cutlass.max(q[j], -q[j]))
+            for off in cutlass.range_constexpr(4):  # xor 8, 4, 2, 1: within the half-warp
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 8 >> off))
+            scale = cute.arch.fmax(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
+            for j in cutlass.range_constexpr(8):
+                q[j] = cutlass.min(cutlass.max(q[j] / scale, Float32(-FP8_MAX)), Float32(FP8_MAX))
+            q8.store(q.load().to(self.ab_dtype))
+            if 2 * it + sub < runs:
+                dst = pool + cute.assume(Int64(row) * H + col, divby=8)
+                cute.copy(st, q8, cute.make_tensor(dst, cute.make_layout(8)))
+                if half == 0:
+                    cute.arch.store((pool_scale + (Int64(row) * runs + run)).llvm_ptr, scale)
+
+    # ---------------------------------------------------------------- phase 4: combine
+    @cute.jit
+    def finish(self, mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, target, e_launch, world,
+               timeout_ns, tidx, bidx, grid):
+        """The MMA warpgroups after their walk: barrier B3 over every rank, then y = sum_k combine rows (one warp
+        per token), then the last CTA advances the epoch."""
+        cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
+        if tidx == 0:
+            cute.arch.fence_acq_rel_sys()
+            for j in cutlass.range(world, unroll=1):
+                ptr = self.peer(peer_ptrs, "barrier", j, world, Int64, 8)
+                cute.arch.red(ptr.llvm_ptr, Int64(1), op="add", dtype="u64", sem="release", scope="sys")
+            fl.wait_geq(barrier, Int32(0), target, timeout_ns, errors, Int32(fl.ERR_GRID_BARRIER_TIMEOUT), bidx,
+                        "sys", 0, True)
+        cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
+        k = self.top_k
+        H = self.hidden
+        vec = 8
+        lane = tidx % 32
+        gwarp = bidx * 8 + tidx // 32
+        num_tokens = Int32(cute.size(mIdx, mode=[0]))
+        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        frag = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
+        total = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
+        for t in cutlass.range(gwarp, num_tokens, grid * 8, unroll=1):
+            for v in cutlass.range(lane, H // vec, 32, unroll=1):
+                total.fill(0.0)
+                for j in cutlass.range_constexpr(k):
+                    if mIdx[t, j] >= 0:
+                        src = mComb.iterator + cute.assume((Int64(t) * k + j) * H + v * vec, divby=vec)
+                        cute.copy(copy_atom, cute.make_tensor(src, cute.make_layout(vec)), frag)
+                        total.store(total.load() + frag.load().to(Float32))
+                frag.store(total.load().to(self.dtype))
+                dst = mY.iterator + cute.assume(Int64(t) * H + v * vec, divby=vec)
+                cute.copy(copy_atom, frag, cute.make_tensor(dst, cute.make_layout(vec)))
+        cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
+        if tidx == 0:
+            arrived = cute.arch.atomic_add(fl.elem_ptr(done, 0), Int32(1), sem="relaxed", scope="gpu")
+            if arrived == grid - 1:
+                epoch[0] = e_launch + 1
+                done[0] = Int32(0)
