@@ -27,7 +27,7 @@ import torch
 from megamoe import schedule as sched
 from megamoe import tile_stream as ts
 
-SCHEDULES = tuple(ts.ORDERS)
+SCHEDULES = (*ts.ORDERS, "auto")
 TIMEOUT_NS = 2_000_000_000
 _KERNELS: dict = {}
 
@@ -148,8 +148,8 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, experts: range) -> tup
 
 
 class MegaMoE:
-    """One MoE layer on one rank of ``group`` (None: world size 1). ``schedule``: "interleaved" (Algorithm 1)
-    or "wave" (expert waves), also per call; ``lead``: Algorithm 1's D in rows (None: schedule.d_lead, eq. 16's
+    """One MoE layer on one rank of ``group`` (None: world size 1). ``schedule``: "interleaved" (Algorithm 1),
+    "wave" (expert waves) or "auto" (megamoe.auto picks one per token count from the model), also per call; ``lead``: Algorithm 1's D in rows (None: schedule.d_lead, eq. 16's
     knee widened by the L2/L1 mainloop ratio);
     ``instrument``: per-tile records (``last_dump``); ``num_sms``: CTAs of the persistent grid (default: every
     SM; it must be even for the interleaved order's CTA pairs)."""
@@ -272,10 +272,21 @@ class MegaMoE:
             self.rec_cap = tiles_per_cta
             self.records = torch.zeros(self.grid * tiles_per_cta * 8, dtype=torch.int64, device=self.device)
 
+    def resolve_schedule(self, tokens: int, schedule: str | None = None) -> str:
+        """The order a launch of ``tokens`` runs: ``schedule`` or the layer's; "auto" asks megamoe.auto (once
+        per token bucket: the model's replay at the expected histogram, no host sync)."""
+        name = schedule or self.schedule
+        if name == "auto":
+            from megamoe import auto
+
+            name = auto.choose_schedule(self.hidden, self.intermediate, self.num_experts, self.top_k, self.world,
+                                        auto.token_bucket(tokens), self.grid, self.precision)
+        return name
+
     def launch(self, x, topk_idx, topk_weights, y, schedule=None, peer_ptrs=None):
         """One launch on the current stream (no checks, no allocation: ``forward`` checks)."""
         st = self.state
-        order = ts.ORDERS[schedule or self.schedule]
+        order = ts.ORDERS[self.resolve_schedule(x.shape[0], schedule)]
         if self.instrument:
             rows = (self.world * self.max_tokens * self.top_k) // 128 + self.num_local
             self.enable_records(2 * (-(-rows * (self.shape.l1_n_blocks + self.shape.l2_n_blocks) // self.grid))

@@ -254,3 +254,14 @@ def test_w8a8_emulated_two_ranks(seed):
     moe.check_errors()
     for r, (y, (x, idx, w)) in enumerate(zip(ys, ins)):
         _close(y, _reference_fp8(x, idx, w, w1, w2), f"w8a8 rank {r}/2 seed={seed}", 3e-2, 1e-1)
+
+
+def test_auto_schedule_runs_the_order_it_resolves_to(seed):
+    moe = _layer(8, 2, 300, schedule="auto")
+    w1, w2 = _weights(8, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    x, idx, w = _inputs(300, 8, 2, "balanced", seed, SMALL["hidden"])
+    picked = moe.resolve_schedule(300)
+    assert picked in ("wave", "interleaved")
+    assert torch.equal(moe.forward(x, idx, w), moe.forward(x, idx, w, picked)), f"seed={seed}"
+    moe.check_errors()

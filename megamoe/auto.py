@@ -1,0 +1,77 @@
+"""``schedule="auto"``: wave or interleaved from the model, decided once per layer shape and token count.
+
+The rule (issue 30, item 5): replay both orders with ``megamoe.simulate`` on the routing histogram expected at
+launch (every local expert at the mean rows, T * top_k * P / E: known without a host sync, the same for every
+routing of that token count) with this kernel's measured tile costs, and take the interleaved order only when
+it is predicted at least ``AUTO_MARGIN`` faster. The costs fold each tile's epilogue into its mainloop,
+because our MMA warpgroups store their own tiles (no separate epilogue role). With local stores (one GPU, or
+P ranks emulated on one) X-stage backpressure plays no part and what the replay sees is the dependency
+waits and the waves' ragged ends.
+
+Evaluated (``python -m benchmarks.megamoe_auto RESULT.json``) on three bf16 runs of one H200: the regret of its
+pick against the better measured order is at most 2.6% (mean 0.4%) over the 36 rows of
+``megamoe_bf16_147e2d5.json`` (always-wave: 16%, always-interleaved: 5.4%), 2.4% over the 12 of
+``megamoe_bf16_23d93b3.json`` and 0.5% over the 12 of ``megamoe_dump_P2_147e2d5_rows.json``
+(``megamoe_auto_regret_*.json``). The margin changes no pick there (0 to 3% give the same): the replays are
+decisive where the orders differ. The costs are bf16's; W8A8 takes the same replay with its mainloops
+halved, which no measurement has checked yet. The first call of a token bucket replays both orders on the
+host (up to ~1 s at DSv4-Flash's 256 experts); later calls reuse the decision.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+from megamoe import schedule as sched
+
+AUTO_MARGIN = 0.01
+# This kernel's bf16 tile costs on one H200 (147e2d5, megamoe_dump_P2_147e2d5_summary.json): the mainloops run
+# at ~671 TFLOP/s over 132 SMs (DSv4-Flash L2 tiles: 13.2 us for 2 * 128 * 128 * 2048 FLOP); the epilogues,
+# which the MMA warpgroups run themselves, about 1.0 us (L1: SwiGLU, intermediate stores, the counter) and
+# 3.4 us (L2: staging plus the Combine's stores, T_RS 2.5-3.4 us).
+MMA_TFLOPS_PER_SM = 671.0 / 132
+L1_EPILOGUE_US = 1.0
+L2_EPILOGUE_US = 3.4
+
+
+def tile_costs(shape: sched.MoEShape, precision: str = "bf16"):
+    from megamoe.simulate import TileCosts
+
+    rate = MMA_TFLOPS_PER_SM * (2.0 if precision == "w8a8" else 1.0)
+    base = TileCosts.from_throughput(shape, rate)
+    return TileCosts(base.t_mma_l1_us + L1_EPILOGUE_US, base.t_mma_l2_us + L2_EPILOGUE_US)
+
+
+@functools.lru_cache(maxsize=256)
+def predicted_makespans(hidden: int, intermediate: int, num_experts: int, top_k: int, world: int, tokens: int,
+                        grid: int, precision: str = "bf16") -> dict:
+    """Both orders' replayed makespans (us) for one rank at the expected histogram of ``tokens`` per rank."""
+    from calibrate import profile as prof
+    from megamoe import simulate as sim
+
+    shape = sched.MoEShape(hidden, intermediate)
+    local = num_experts // world
+    mean = tokens * top_k * world / num_experts
+    work = sched.RankWork(shape, (int(round(mean)),) * local)
+    costs = tile_costs(shape, precision)
+    profile = prof.load_builtin(prof.default_profile_name())
+    epw = sched.expert_wave_size(local, mean, shape.l1_n_blocks, shape.block_m, grid)
+    lead = math.ceil(sched.d_lead(shape, grid))
+    if work.num_rows == 0:
+        return {"wave": 0.0, "interleaved": 0.0}
+    return {"wave": sim.simulate(work, sched.expert_wave_order(work, grid, epw), costs, profile, 1).makespan_us,
+            "interleaved": sim.simulate(work, sched.interleaved_order(work, grid, lead), costs, profile,
+                                        1).makespan_us}
+
+
+def choose_schedule(hidden: int, intermediate: int, num_experts: int, top_k: int, world: int, tokens: int,
+                    grid: int, precision: str = "bf16", margin: float = AUTO_MARGIN) -> str:
+    """"interleaved" if its replay is at least ``margin`` faster than the wave order's, else "wave"."""
+    m = predicted_makespans(hidden, intermediate, num_experts, top_k, world, tokens, grid, precision)
+    return "interleaved" if m["interleaved"] < (1.0 - margin) * m["wave"] else "wave"
+
+
+def token_bucket(tokens: int) -> int:
+    """The token count a decision is cached under: rounded up to a multiple of 256 (a decision per bucket,
+    not per count, keeps the replays off a serving loop's path after warm-up)."""
+    return max(256, -(-tokens // 256) * 256)
