@@ -4,7 +4,8 @@
 #     XSTAGE_GIT_COMMIT=<commit> bash benchmarks/device/h200.sh [STAGE...]   (no stage: all)
 # Stages:
 #   info            nvidia-smi, driver, torch/DSL/flash-attn versions, commit: device_info.txt
-#   tests           the GPU tests (pytest -m "gpu or multigpu"); multi-GPU ones skip with their reason
+#   tests           the GPU tests (pytest -m "gpu or multigpu", MegaMoE's included: TESTS_ARGS="-k megamoe" for
+#                   those alone); multi-GPU ones skip with their reason
 #   sass            the KV loop's SASS beside flash-attn-4's (python -m benchmarks.kv_loop_sass)
 #   calibrate       xstage calibrate: the local control only (remote calibration needs 2 GPUs)
 #   fa              FA-only against flash-attn-4 and cuDNN at P = 1 (xstage bench flash-a2a, no A2A columns)
@@ -12,6 +13,10 @@
 #   variants NAME   FA-only beside the set in benchmarks/variants/NAME.json (or a path to one)
 #   compare         an older commit's FA-only beside this tree's, one process (python -m benchmarks.old_vs_new;
 #                   prepare .oldtree here with --prepare COMMIT and carry it)
+#   moe             xstage bench megamoe, every column (bf16 and W8A8, both orders, the unfused paths), then
+#                   schedule="auto"'s regret on it (python -m benchmarks.megamoe_auto)
+#   moedump         an instrumented emulated-P = 2 run at 8192 tokens, its stall test and timelines
+#                   (python -m benchmarks.megamoe_analysis)
 #   pack            every result into $OUT/h200_<commit>.tgz (the commit in each name); always runs last
 #   all             info tests sass calibrate fa pack
 # Each stage runs under its own timeout (<STAGE>_TIMEOUT) and starts only if that fits what is left of the
@@ -22,7 +27,7 @@
 set -euo pipefail
 MACHINE=h200
 NOMINAL_GPUS=1
-STAGES=(info tests sass calibrate fa clocks variants compare pack all)
+STAGES=(info tests sass calibrate fa clocks variants compare moe moedump pack all)
 ALL=(info tests sass calibrate fa pack)
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -61,6 +66,18 @@ stage_compare() {  # old against new by adjacent pairs, with an old-against-old 
   [ -n "$DRY_RUN" ] || [ -f .oldtree/COMMIT ] || skip "no .oldtree (python -m benchmarks.old_vs_new --prepare COMMIT, then carry .oldtree)"
   logged env PYTHONPATH="$PYTHONPATH:$REPO/.oldtree" python3 -m benchmarks.old_vs_new --out "$W/old_vs_new.json" \
     "${ARGS[@]}"
+}
+stage_moe() {  # 36 rows x 6 columns; the regret tool needs no GPU
+  needs 1 420
+  logged "${XSTAGE[@]}" bench megamoe --replays 6 --out "$W/megamoe.json" "${ARGS[@]}"
+  logged python3 -m benchmarks.megamoe_auto "$W/megamoe.json" --out "$W/megamoe_auto_regret.json"
+}
+stage_moedump() {
+  needs 1 240
+  logged "${XSTAGE[@]}" bench megamoe --world 2 --tokens 8192 --replays 4 --dump "$W/megamoe_dump" \
+    --columns ours_bf16_wave,ours_bf16_interleaved,ours_fp8_wave,ours_fp8_interleaved --out "$W/megamoe_dump_rows.json" \
+    "${ARGS[@]}"
+  logged python3 -m benchmarks.megamoe_analysis "$W/megamoe_dump.json" --out-dir "$W"
 }
 
 main "$@"

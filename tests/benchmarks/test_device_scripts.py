@@ -22,7 +22,8 @@ if BASH is None:
     pytest.skip("bash is not installed: the device scripts cannot be checked", allow_module_level=True)
 
 STAGES = {
-    "h200.sh": ["info", "tests", "sass", "calibrate", "fa", "clocks", "variants", "compare", "pack", "all"],
+    "h200.sh": ["info", "tests", "sass", "calibrate", "fa", "clocks", "variants", "compare", "moe", "moedump",
+                "pack", "all"],
     "h200x2.sh": ["info", "tests", "calibrate", "fa", "hiding", "clocks", "linkpower", "dit", "variants", "pack",
                   "all"],
     "h200x8.sh": ["info", "tests", "calibrate", "fa", "dit", "variants", "pack", "all"],

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper: sm_90a)")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper: sm_90a)")]
 
 SMALL = dict(hidden=1152, intermediate=512)  # 9 L2 N blocks: the interleaved order's odd-count pair slot
 
