@@ -51,6 +51,15 @@ MEGAMOE_MAINLOOPS_US = {
 }
 # Combine output of one Linear-2 tile: b_m x b_n bf16 elements (128 x 128 x 2 bytes).
 MEGAMOE_TILE_BYTES = 128 * 128 * BF16_BYTES
+# Our MegaMoE kernel as built (megamoe.kernel, bf16, 147e2d5): full-tile mainloop medians (T_mma_L2, T_mma_L1)
+# in us on one H200, the wave order at 8192 tokens per rank, balanced, P = 2 emulated
+# (benchmarks/results/h200/megamoe_dump_P2_147e2d5_stall.json), and L1 tiles per L2 tile, n1 / n2 = 2I / H.
+OURS_MEGAMOE = {
+    "dsv4-flash": {"mainloops_us": (13.22, 27.04), "n1_per_n2": 2 * 2048 / 4096},
+    "qwen3-moe": {"mainloops_us": (8.90, 24.70), "n1_per_n2": 2 * 1536 / 4096},
+    "dit-moe": {"mainloops_us": (26.24, 5.76), "n1_per_n2": 2 * 4608 / 1152},
+}
+OURS_MEGAMOE_WORLDS = (2, 8)
 
 # Units of the numbers ``evaluate`` returns (the CLI's --json prints this table beside the verdicts).
 RESULT_UNITS = {
@@ -289,6 +298,41 @@ def megamoe_burst(profile: PlatformProfile, model_name: str, n1_per_n2: float = 
     )
 
 
+def ours_megamoe_burst(profile: PlatformProfile, model_name: str, world: int) -> KernelBurst:
+    """Our kernel's Linear-2 Combine burst at EP = ``world`` (sec. 4.2's test for megamoe.kernel as built): each
+    L2 tile's epilogue stores its 128 x 128 bf16 rows (two 64-row warpgroup bursts) to their source ranks, of
+    which (P-1)/P leave through NVLink on balanced routing (the rest land in local HBM, outside the X-stage);
+    K_act = sm_count CTAs; G_wave = the measured L2 mainloop, the interleaved gap from the L1 mainloop and the
+    shape's L1 / L2 tile ratio (eq. 12)."""
+    if world < 2:
+        raise ValueError(f"a Combine burst needs peers: world must be >= 2, got {world}")
+    ours = OURS_MEGAMOE[model_name]
+    t_l2, t_l1 = ours["mainloops_us"]
+    ratio = ours["n1_per_n2"]
+    producers = profile.sm_count
+    bytes_per = MEGAMOE_TILE_BYTES * (world - 1) / world
+    volume = producers * bytes_per
+    t_iss0 = float(profile.t_iss0(producers, volume))
+    rate = profile.drain_rate
+    wave_overhead = float(model.issue_overhead(t_l2, volume, t_iss0, rate))
+    gap_int = float(model.interleaved_gap(t_l2, t_l1, ratio))
+    return KernelBurst(
+        name=f"megamoe-ours-{model_name}-p{world}",
+        producers=producers,
+        bytes_per_producer=bytes_per,
+        gap_us=t_l2,
+        description=(f"our MegaMoE {model_name} at EP={world}: V_t = {bytes_per / 1024:.0f} KiB of each 32 KiB "
+                     f"L2 tile remote, K_act=sm_count, G_wave=T_mma_L2={t_l2} us, T_mma_L1={t_l1} us (measured, "
+                     f"bf16, one H200), n1/n2={ratio:g}"),
+        alt_gaps_us={"interleaved": gap_int},
+        extra={"t_mma_l2_us": t_l2, "t_mma_l1_us": t_l1, "n1_per_n2": ratio, "interleaved_gap_us": gap_int,
+               "wave_overhead_us": wave_overhead,
+               "interleaved_overhead_us": float(model.interleaved_overhead(wave_overhead, t_l1, ratio)),
+               "interleave_sufficient": bool(model.interleave_sufficient(volume, t_iss0, t_l2, t_l1, rate,
+                                                                         n1=ratio, n2=1.0))},
+    )
+
+
 # --- presets and the test -----------------------------------------------------------
 
 
@@ -308,6 +352,10 @@ def presets(profile: PlatformProfile, sigma_us: float | None = None, world: int 
     for name in MEGAMOE_MAINLOOPS_US:
         burst = megamoe_burst(profile, name)
         found[burst.name] = burst
+    for name in OURS_MEGAMOE:
+        for p in OURS_MEGAMOE_WORLDS:
+            burst = ours_megamoe_burst(profile, name, p)
+            found[burst.name] = burst
     return found
 
 

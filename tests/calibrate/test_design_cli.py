@@ -57,7 +57,13 @@ def test_select_presets_families_and_sigma_override():
     ours, paper, moe = (select_presets(profile, [family]) for family in ("fa-a2a", "paper-fa-a2a", "megamoe"))
     assert [b.name for b in ours] == [f"fa-a2a-p2-h{h}-m{s}" for h in (3, 12) for s in (8192, 16384, 32768, 49152,
                                                                                          65536)]
-    assert len(paper) == 5 and len(moe) == 7
+    # the paper's seven MegaMoE shapes, then our kernel's three at EP = 2 and 8
+    assert len(paper) == 5 and len(moe) == 7 + 6
+    ours_moe = select_presets(profile, ["megamoe-ours"])
+    assert [b.name for b in ours_moe] == [f"megamoe-ours-{m}-p{p}" for m in ("dsv4-flash", "qwen3-moe", "dit-moe")
+                                          for p in (2, 8)]
+    # (P - 1) / P of each 32 KiB tile is remote
+    assert [b.bytes_per_producer for b in ours_moe[:2]] == [16384.0, 32768 * 7 / 8]
     assert select_presets(profile, ["all", "megamoe"]) == ours + paper + moe
     assert [b.name for b in select_presets(profile, ["fa-a2a-p2-h3"])] == [b.name for b in ours[:5]]
     slow = select_presets(profile, ["paper-fa-a2a-m8192"], sigma_us=0.01)[0]
