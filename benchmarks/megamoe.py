@@ -19,6 +19,8 @@ path of the same dtype; the error against megamoe.reference (fp32, h rounded to 
 same FP8 quantization for ours_fp8; unfused_fp8's row-wise recipe against the unquantized reference).
 --dump FILE: one instrumented launch per ours column and row (MegaMoE(..., instrument=True).last_dump()),
 the arrays in FILE.npz and what they are in FILE.json.
+--matrix: the configuration matrix instead (benchmarks/megamoe_matrix.py: the seven PRESETS x precision x
+routing x tokens x world, ours wave vs interleaved only), which reuses this file's row runner (run_columns).
 """
 from __future__ import annotations
 
@@ -44,10 +46,21 @@ class Preset:
 
 PRESETS = {p.name: p for p in (Preset("dsv4-flash", 4096, 2048, 256, 6),  # DeepSeek-V4-Flash-like
                                Preset("qwen3-moe", 4096, 1536, 128, 8),  # Qwen3-MoE-like
-                               Preset("dit-moe", 1152, 4608, 8, 2))}  # DiT-MoE-like
+                               Preset("dit-moe", 1152, 4608, 8, 2),  # DiT-MoE-XL-like
+                               Preset("hunyuan", 4096, 1536, 192, 8),  # Hunyuan-like
+                               Preset("mimo", 4096, 2048, 256, 8),  # MiMo-like
+                               Preset("glm", 6144, 2048, 256, 8),  # GLM-like
+                               Preset("dsv4-pro", 7168, 3072, 384, 6))}  # DeepSeek-V4-Pro-like
+DEFAULT_SHAPES = ("dsv4-flash", "qwen3-moe", "dit-moe")  # this bench's default; --matrix runs all seven
 ROUTINGS = ("balanced", "skewed", "one_expert")  # megamoe.reference.ROUTING_MODES (a test keeps them equal)
 SCHEDULES = ("wave", "interleaved")
 DTYPES = ("bf16", "fp8")
+# What each precision name passes to MegaMoE(dtype=...), tried in order until the constructor accepts one (a
+# name that is a torch attribute becomes that torch dtype): a precision the API does not build yet is then a
+# skipped column with the constructor's reasons, and runs untouched once the API accepts it.
+API_DTYPES = {"bf16": ("bfloat16",), "fp8": ("float8_e4m3fn", "w8a8"), "w8a8": ("w8a8", "float8_e4m3fn"),
+              "w4a8": ("w4a8",)}
+FP8_H_BLOCK = 64  # the W8A8 kernel re-quantizes h in 1 x 64 runs before Linear-2 (megamoe.api at 0b9ce82)
 COLUMNS = ("unfused_bf16", "unfused_fp8", *(f"ours_{d}_{s}" for d in DTYPES for s in SCHEDULES))
 WORLDS = (1, 2)
 DEFAULT_OUT = "benchmarks/results/h200/megamoe.json"
@@ -89,8 +102,8 @@ def _tokens(text):
 def add_arguments(p) -> None:
     presets = "; ".join(f"{n}: {s.hidden}/{s.intermediate}, {s.num_experts} experts, top-{s.top_k}"
                         for n, s in PRESETS.items())
-    p.add_argument("--shapes", type=_shapes, default=list(PRESETS.values()), metavar="LIST",
-                   help=f"comma-separated presets ({presets}); default all")
+    p.add_argument("--shapes", type=_shapes, default=[PRESETS[n] for n in DEFAULT_SHAPES], metavar="LIST",
+                   help=f"comma-separated presets ({presets}); default {','.join(DEFAULT_SHAPES)}")
     p.add_argument("--tokens", type=_tokens, default=[1024, 4096, 8192], metavar="LIST",
                    help="tokens per rank, comma-separated (need not be multiples of 128; default 1024,4096,8192)")
     p.add_argument("--routing", type=lambda t: _comma_list(t, "routing", ROUTINGS), default=["balanced", "skewed"],
@@ -107,6 +120,9 @@ def add_arguments(p) -> None:
                    help="per-tile instrumentation of ours: FILE.npz (arrays) and FILE.json (header)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, inputs and routing of every row")
     p.add_argument("--tmp", default="/tmp", help="where the one-rank process group's rendezvous file goes")
+    p.add_argument("--matrix", action="store_true",
+                   help="the configuration matrix instead, wave vs interleaved over shapes x precision x routing x "
+                        "tokens x world (benchmarks/megamoe_matrix.py; --matrix --help lists its options)")
 
 
 # --- the pieces of a row --------------------------------------------------------------------------------------
@@ -173,9 +189,8 @@ def make_weights(preset: Preset, seed: int, device):
 
 def build_ours(api, group, preset: Preset, world: int, tokens: int, w1, w2, dtypes, instrument: bool = False):
     """{dtype: a loaded layer, or the reason there is none}, max_tokens_per_rank = tokens. World P > 1:
-    MegaMoE(..., emulated_ranks=P), else the API's EmulatedMoE behind ``RankLists``."""
-    import inspect
-
+    MegaMoE(..., emulated_ranks=P), else the API's EmulatedMoE behind ``RankLists``. ``dtypes``: names of
+    API_DTYPES, each tried with its candidates in order."""
     import torch
 
     module, why = api
@@ -184,32 +199,48 @@ def build_ours(api, group, preset: Preset, world: int, tokens: int, w1, w2, dtyp
         if module is None:
             out[d] = why
             continue
-        dtype = torch.bfloat16 if d == "bf16" else torch.float8_e4m3fn
-        kwargs = {"dtype": dtype, "schedule": "interleaved", "lead": None, "max_tokens_per_rank": tokens}
-        if instrument:
-            kwargs["instrument"] = True
-        shape = (preset.num_experts, preset.top_k, preset.hidden, preset.intermediate)
-        try:
-            cls = module.MegaMoE
-            params = inspect.signature(cls).parameters
-            if world == 1:
-                moe = cls(group, *shape, **kwargs)
-            elif "emulated_ranks" in params or not hasattr(module, "EmulatedMoE"):
-                moe = cls(group, *shape, emulated_ranks=world, **kwargs)
-            else:
-                emu_params = inspect.signature(module.EmulatedMoE).parameters
-                if "dtype" not in emu_params:
-                    if d != "bf16":
-                        raise ValueError(f"EmulatedMoE takes no dtype: bf16 only, not {d}")
-                    kwargs.pop("dtype")
-                moe = RankLists(module.EmulatedMoE(world, *shape, **kwargs), world)
-            moe.load_weights(w1, w2)
-            out[d] = moe
-        except Exception as e:  # noqa: BLE001 - e.g. no emulated ranks yet, or a dtype not built yet
-            extra = next((k for k in ("emulated_ranks", "instrument") if k in str(e)), None)
-            out[d] = (f"MegaMoE takes no {extra} yet ({_reason(e)})" if extra and isinstance(e, TypeError)
-                      else f"MegaMoE({d}) unsupported here: {_reason(e)}")
+        candidates = [getattr(torch, n, n) for n in API_DTYPES.get(d, (d,))]
+        whys = []
+        for dtype in candidates:
+            try:
+                out[d] = _build_one(module, group, preset, world, tokens, w1, w2, d, dtype, instrument)
+                break
+            except Exception as e:  # noqa: BLE001 - e.g. no emulated ranks yet, or a dtype not built yet
+                extra = next((k for k in ("emulated_ranks", "instrument") if k in str(e)), None)
+                if extra and isinstance(e, TypeError):
+                    out[d] = f"MegaMoE takes no {extra} yet ({_reason(e)})"
+                    break
+                whys.append((dtype, _reason(e)))
+        else:
+            unique = list(dict.fromkeys(why for _, why in whys))
+            out[d] = f"MegaMoE({d}) unsupported here: " + (unique[0] if len(unique) == 1 else "; ".join(
+                f"dtype={t!r}: {why}" for t, why in whys))
     return out
+
+
+def _build_one(module, group, preset: Preset, world: int, tokens: int, w1, w2, d: str, dtype, instrument: bool):
+    """One loaded layer of precision ``d`` built with MegaMoE(dtype=``dtype``), or the constructor's error."""
+    import inspect
+
+    kwargs = {"dtype": dtype, "schedule": "interleaved", "lead": None, "max_tokens_per_rank": tokens}
+    if instrument:
+        kwargs["instrument"] = True
+    shape = (preset.num_experts, preset.top_k, preset.hidden, preset.intermediate)
+    cls = module.MegaMoE
+    params = inspect.signature(cls).parameters
+    if world == 1:
+        moe = cls(group, *shape, **kwargs)
+    elif "emulated_ranks" in params or not hasattr(module, "EmulatedMoE"):
+        moe = cls(group, *shape, emulated_ranks=world, **kwargs)
+    else:
+        emu_params = inspect.signature(module.EmulatedMoE).parameters
+        if "dtype" not in emu_params:
+            if d != "bf16":
+                raise ValueError(f"EmulatedMoE takes no dtype: bf16 only, not {d}")
+            kwargs.pop("dtype")
+        moe = RankLists(module.EmulatedMoE(world, *shape, **kwargs), world)
+    moe.load_weights(w1, w2)
+    return moe
 
 
 def output_error(got, ref) -> dict:
@@ -349,40 +380,60 @@ def measure_row(ctx, preset: Preset, world: int, tokens: int, routing: str, weig
     def reference(name):  # each computed once per row, for the columns that run
         key = "fp8" if name.startswith("ours_fp8") else "bf16"
         if key not in refs:
-            refs[key] = (reference_moe_fp8(x, idx, wts, w1, w2, combine_dtype=torch.bfloat16) if key == "fp8"
+            refs[key] = (reference_moe_fp8(x, idx, wts, w1, w2, l2_block=FP8_H_BLOCK, combine_dtype=torch.bfloat16)
+                         if key == "fp8"
                          else reference_moe(x, idx, wts, w1, w2, intermediate_dtype=torch.bfloat16,
                                             combine_dtype=torch.bfloat16))
         what = ("fp32, the same FP8 quantization" if key == "fp8" else "fp32, h and expert rows rounded to bf16"
                 + (" (unquantized: this column's row-wise FP8 is not applied)" if name == "unfused_fp8" else ""))
         return refs[key], what
 
-    live = {}
-    for name, fn in column_calls(x, idx, wts, w1, w2, fp8w, ctx.fp8_why, ours, ctx.args.columns).items():
-        if isinstance(fn, dict):
-            row["columns"][name] = fn
-            continue
-        try:
-            y = fn()  # eager: the correctness check, and the warm-up (compilation) before capture
-            y = torch.cat(y) if isinstance(y, (list, tuple)) else y  # RankLists: one output per rank
-            ref, what = reference(name)
-            err = output_error(y, ref)
-            del y
-            graph, how = ctx.capture(fn)
-            live[name] = (fn, graph)
-            row["columns"][name] = {"dtype": column_dtype(name), "timing": how,
-                                    "error": {"reference": what, **err}}
-        except Exception as e:  # noqa: BLE001 - one failing column must not hide the others
-            row["columns"][name] = {"failed": _reason(e)}
-    medians, times = ctx.timer(live) if live else ({}, {})
-    for name, us in medians.items():
-        c = row["columns"][name]
-        c.update(us=us, tflops=row["flops"] / us / 1e6, roofline_efficiency=roof[c["dtype"]]["seconds"] * 1e6 / us)
+    calls = column_calls(x, idx, wts, w1, w2, fp8w, ctx.fp8_why, ours, ctx.args.columns)
+    row["columns"], times = run_columns(calls, reference, ctx.capture, ctx.timer)
+    for name, c in row["columns"].items():
+        if "us" in c:
+            us = c["us"]
+            c.update(dtype=column_dtype(name), tflops=row["flops"] / us / 1e6,
+                     roofline_efficiency=roof[column_dtype(name)]["seconds"] * 1e6 / us)
+        elif "timing" in c:
+            c["dtype"] = column_dtype(name)
     row["round_times_us"] = {n: [round(t, 3) for t in ts] for n, ts in times.items()}
     derive(row)
-    del live
     if probes is not None:
         dump_row(ctx, row, index, probes, (x, idx, wts))
     return row
+
+
+def run_columns(calls: dict, reference, capture, timer) -> tuple[dict, dict]:
+    """The row runner's core, shared with the matrix: every call of ``calls`` ({name: a call, or {"skipped":
+    why}}) once eagerly (the correctness check, and the warm-up that compiles) against ``reference(name)`` ->
+    (tensor, what it is) or (None, why there is none), then ``capture(fn)`` -> (graph or None, how); the live
+    ones timed together by ``timer({name: (fn, graph)})`` -> (medians µs, per-round times). Returns ({name:
+    {"timing", "error", "us"} or {"skipped"} or {"failed": why}}, per-round times): a column that raises is
+    recorded as failed and the rest still run."""
+    import torch
+
+    cols, live = {}, {}
+    for name, fn in calls.items():
+        if isinstance(fn, dict):
+            cols[name] = fn
+            continue
+        try:
+            y = fn()
+            y = torch.cat(y) if isinstance(y, (list, tuple)) else y  # RankLists: one output per rank
+            ref, what = reference(name)
+            err = output_error(y, ref) if ref is not None else {"finite": bool(torch.isfinite(y).all())}
+            del y
+            graph, how = capture(fn)
+            live[name] = (fn, graph)
+            cols[name] = {"timing": how, "error": {"reference": what, **err}}
+        except Exception as e:  # noqa: BLE001 - one failing column must not hide the others
+            cols[name] = {"failed": _reason(e)}
+    medians, times = timer(live) if live else ({}, {})
+    for name, us in medians.items():
+        cols[name]["us"] = us
+    del live
+    return cols, times
 
 
 def dump_row(ctx, row: dict, index: int, probes: dict, inputs) -> None:
@@ -512,27 +563,39 @@ def plot(result: dict, path: str) -> None:
 
 
 def run(args) -> int:
+    if getattr(args, "matrix", False):
+        raise UsageError("--matrix has its own options: run it as xstage bench megamoe --matrix ...")
     if args.replays < 1 or args.calls_per_graph < 1:
         raise UsageError("--replays and --calls-per-graph must be at least 1")
     import torch
 
     if not torch.cuda.is_available():
         raise UsageError("bench megamoe needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from cute_kernels.dist import process_group
-
-    init_file = os.path.join(args.tmp, f"megamoe_bench_pg_{os.getpid()}")
-    if os.path.exists(init_file):
-        os.remove(init_file)  # a stale rendezvous file would hang the file:// init
-    with process_group(0, 1, init_file) as group:
+    with local_group(args.tmp) as group:
         bench(args, group)
     print(f"wrote {args.out}", flush=True)
     return 0
+
+
+def local_group(tmp: str):
+    """The one-rank process group the timing's barriers and all-reduces run in (file:// rendezvous in tmp)."""
+    from cute_kernels.dist import process_group
+
+    init_file = os.path.join(tmp, f"megamoe_bench_pg_{os.getpid()}")
+    if os.path.exists(init_file):
+        os.remove(init_file)  # a stale rendezvous file would hang the file:// init
+    return process_group(0, 1, init_file)
 
 
 def main(argv=None) -> int:
     """``python -m benchmarks.megamoe`` (the same as ``xstage bench megamoe``)."""
     import argparse
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--matrix" in argv:
+        from benchmarks import megamoe_matrix
+
+        return megamoe_matrix.main(argv)
     p = argparse.ArgumentParser(prog="xstage bench megamoe", description=__doc__.splitlines()[0])
     add_arguments(p)
     try:

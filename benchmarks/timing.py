@@ -60,11 +60,26 @@ def rank_max(trials: list[list[float]], group) -> list[list[float]]:
     return t.tolist()
 
 
-def measure_rounds(columns: dict, calls: int, replays: int, group) -> tuple[dict, dict]:
-    """µs per call for every column ({name: (fn, graph or None)}), timed in interleaved rounds (a fresh
-    random order every round, so clock or thermal drift hits all variants alike); each round's time is the
-    max over ranks, then the median over rounds. Returns the medians and every column's per-round (rank-max)
-    times."""
+def round_order(names: list, rnd: int, order: str = "shuffle", start: int = 0) -> list:
+    """The columns' order in round ``rnd``: "shuffle", a fresh random order (seeded by the round, the same on
+    every rank); "rotate", ``names`` rotated left by start + rnd (with two columns: alternating, each first in
+    every other round; the paper's rotated order, section 5.1)."""
+    if order == "rotate":
+        k = (start + rnd) % len(names) if names else 0
+        return names[k:] + names[:k]
+    if order != "shuffle":
+        raise ValueError(f"order must be 'shuffle' or 'rotate', got {order!r}")
+    out = names[:]
+    random.Random(rnd).shuffle(out)
+    return out
+
+
+def measure_rounds(columns: dict, calls: int, replays: int, group, order: str = "shuffle",
+                   start: int = 0) -> tuple[dict, dict]:
+    """µs per call for every column ({name: (fn, graph or None)}), timed in interleaved rounds (by default a
+    fresh random order every round, so clock or thermal drift hits all variants alike; ``round_order``); each
+    round's time is the max over ranks, then the median over rounds. Returns the medians and every column's
+    per-round (rank-max) times."""
     import torch
     import torch.distributed as dist
 
@@ -73,11 +88,10 @@ def measure_rounds(columns: dict, calls: int, replays: int, group) -> tuple[dict
     times = {n: [] for n in names}
     for rnd in range(replays):
         # A fresh order every round, the same on every rank (the columns hold collectives): a fixed or merely
-        # rotated order gives each column a fixed predecessor, and what ran just before (an All-to-All that
-        # lets the clocks recover, or a long attention that heats the chip) biases long-M times by a few %.
-        order = names[:]
-        random.Random(rnd).shuffle(order)
-        for name in order:
+        # rotated order gives each of several columns a fixed predecessor, and what ran just before (an
+        # All-to-All that lets the clocks recover, or a long attention that heats the chip) biases long-M
+        # times by a few %. With two columns, rotation is the balanced alternation.
+        for name in round_order(names, rnd, order, start):
             fn, graph = columns[name]
             dist.barrier(group=group)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

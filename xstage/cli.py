@@ -49,6 +49,11 @@ def _run_bench_flash_a2a(args) -> int:
 
 
 def _run_bench_megamoe(args) -> int:
+    if "--matrix" in args.forwarded:  # its own options (benchmarks/megamoe_matrix.py)
+        import benchmarks.megamoe_matrix as matrix
+
+        return _forward("bench megamoe --matrix", "MegaMoE wave vs interleaved over the configuration matrix",
+                        matrix, args)
     import benchmarks.megamoe as megamoe
 
     return _forward("bench megamoe", "MegaMoE against the unfused paths and the roofline (one GPU)", megamoe, args)

@@ -1,0 +1,677 @@
+"""``xstage bench megamoe --matrix``: the configuration matrix of the paper's section 5.2.1 (Figure 8) on one GPU,
+ours under the wave schedule against ours under the interleaved schedule: the same layer instance (one
+kernel), the same inputs, only the schedule argument of the call differs (issue 30, item 2).
+
+Configurations: --shapes (the seven PRESETS of benchmarks/megamoe.py, MODELS order) x --precision x --routing
+(balanced, and skewed: Zipf-like expert popularity (1 + rank)^-s, s = --skew, recorded per configuration) x
+--tokens (per rank) x --world (1; P > 1: P ranks emulated on the one GPU, each over SMs / P CTAs on its own
+stream with its stores local: the paper's local-store control; the result records which).
+Precisions (PRECISIONS; what MegaMoE(dtype=...) is passed: benchmarks.megamoe.API_DTYPES, tried in order):
+  bf16   bf16 weights and activations                                     dtype=torch.bfloat16
+  w8a8   e4m3 weights (128x128 block scales), e4m3 activations (1x128)    dtype="w8a8", else torch.float8_e4m3fn
+  w4a8   E2M1 weights (UE8M0 scale per 32), activations as w8a8           dtype="w4a8"
+Every precision's layer is loaded from the same bf16 weights (load_weights quantizes) and takes bf16 x. A
+precision the API does not build yet (its constructor raises) is recorded as {"status": "skipped",
+"skip_kind": "precision", "reason": ...}; it runs untouched once the API accepts it.
+Memory: a configuration whose weights and buffers do not fit (memory_estimate: the bf16 weights of all
+experts, which the harness holds, plus the layer's transformed copy, counted at bf16 size for every precision,
+plus the ranks' buffers, inputs, outputs and reference temporaries, plus RESERVE_GB) is skipped with that
+arithmetic and never attempted. The unfused baselines are not run here (they would add their own copies).
+Method (section 5.1): per configuration one untimed eager call per schedule (checked against
+megamoe.reference under the same precision), CUDA graphs of --calls-per-graph calls, then --trials trials of
+both schedules in rotated order (benchmarks.timing.measure_rounds, order="rotate": with two columns each runs
+first in every other trial, and the first of trial 0 alternates between configurations); every trial starts
+barrier-aligned (a host barrier, then a one-element all-reduce on the stream) between two CUDA events; per
+trial the max over ranks (the process group's all-reduce; at emulated P both ranks' launches lie between the
+same two events); the median of the trials. Speedup = T_wave / T_interleaved (> 1: interleaved is faster).
+Output: --out JSON (every configuration, measured or skipped or not run with why, per-trial times,
+provenance per run), --md (table and summary: geometric mean, median, min and max of the speedup overall and
+by model, precision, routing, world, tokens) and --png (Figure 8-style bars). The JSON is rewritten after
+every configuration; --max-minutes stops before a configuration that would end past the limit (estimated),
+keeping what ran; --resume FILE keeps FILE's measured configurations and runs the rest; --plan prints the
+configurations, the memory verdicts and the time estimate without a GPU; --replot FILE rewrites --md and
+--png from a result file.
+Time on one H200 (--plan, at bf16 rates, which bound the quantized kernels from above): the default matrix is
+168 configurations, ~3 min of device work per precision plus ~45 s start-up: one 10-minute device call for
+bf16 and w8a8 (w4a8 skipped in moments while the API lacks it), two for all three: --max-minutes 8.5, then
+--resume the same file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from benchmarks import megamoe as mb
+from calibrate.cli import UsageError
+
+MODELS = ("dit-moe", "qwen3-moe", "hunyuan", "mimo", "glm", "dsv4-flash", "dsv4-pro")  # Figure 8's order
+PRECISIONS = ("bf16", "w8a8", "w4a8")
+SCHEDULES = mb.SCHEDULES  # ("wave", "interleaved"): the two timed columns
+WORLDS = (1, 2, 4, 8)
+DEFAULT_TOKENS = (4096, 8192)
+DEFAULT_OUT = "benchmarks/results/h200/megamoe_matrix.json"
+H200_GB = 141.0  # nominal HBM of one H200 (the planner's capacity where no GPU is visible)
+RESERVE_GB = 4.0  # CUDA context, cuBLAS workspace, allocator slack
+# The time model's rates (conservative for bf16 on one H200: ours reached 336-511 TFLOP/s at 8192 tokens at
+# 23d93b3; the small-token rows are weight-bound), and the fixed costs of a run.
+EST = {"tflops": 330.0, "hbm_tb_s": 3.6, "reference_tflops": 20.0, "startup_s": 45.0, "layer_s": 3.0,
+       "config_s": 0.5, "weights_s_per_gb": 0.02}
+KIND = "xstage megamoe matrix"
+
+
+# --- arguments ------------------------------------------------------------------------------------------------
+
+def add_arguments(p) -> None:
+    models = "; ".join(f"{n}: {mb.PRESETS[n].hidden}/{mb.PRESETS[n].intermediate}, {mb.PRESETS[n].num_experts} "
+                       f"experts, top-{mb.PRESETS[n].top_k}" for n in MODELS)
+    p.add_argument("--matrix", action="store_true", help="this mode (the flag that selects it)")
+    p.add_argument("--shapes", type=mb._shapes, default=[mb.PRESETS[n] for n in MODELS], metavar="LIST",
+                   help=f"comma-separated models ({models}); default all seven")
+    p.add_argument("--precision", type=lambda t: mb._comma_list(t, "precision", PRECISIONS),
+                   default=list(PRECISIONS), metavar="LIST",
+                   help="comma-separated, of bf16, w8a8, w4a8 (default all; one the API does not build is skipped)")
+    p.add_argument("--routing", type=lambda t: mb._comma_list(t, "routing", mb.ROUTINGS),
+                   default=["balanced", "skewed"], metavar="LIST",
+                   help=f"comma-separated, of {', '.join(mb.ROUTINGS)} (default balanced,skewed)")
+    p.add_argument("--skew", type=float, default=None, metavar="S",
+                   help="the skewed routing's Zipf exponent (default megamoe.reference.SKEW_EXPONENT, 1.2)")
+    p.add_argument("--tokens", type=mb._tokens, default=list(DEFAULT_TOKENS), metavar="LIST",
+                   help="tokens per rank, comma-separated (default 4096,8192)")
+    p.add_argument("--world", type=lambda t: mb._comma_list(t, "world size", WORLDS, int), default=[1, 2],
+                   metavar="LIST", help="ranks, comma-separated; P > 1 is emulated on the one GPU (default 1,2)")
+    p.add_argument("--trials", type=int, default=20, help="timed trials per configuration (default 20)")
+    p.add_argument("--calls-per-graph", type=int, default=2, help="calls per captured graph (default 2)")
+    p.add_argument("--max-minutes", type=float, default=None, metavar="M",
+                   help="stop before a configuration that would end past M minutes from the start (estimated), "
+                        "keeping what ran; leave a minute of a device call for start-up")
+    p.add_argument("--resume", default=None, metavar="JSON",
+                   help="keep this result file's measured configurations and run the rest (default --out: it)")
+    p.add_argument("--out", default=None, help=f"result JSON, rewritten after every configuration "
+                                               f"(default {DEFAULT_OUT}, or the --resume file)")
+    p.add_argument("--md", default=None, help="the markdown table (default: the JSON's name with .md)")
+    p.add_argument("--png", default=None, help="the figure (default: the JSON's name with .png)")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help=f"the GPU memory a configuration must fit (default: the GPU's; {H200_GB:g} with no GPU)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights, inputs and routing (as bench megamoe)")
+    p.add_argument("--tmp", default="/tmp", help="where the one-rank process group's rendezvous file goes")
+    p.add_argument("--plan", action="store_true",
+                   help="print the configurations, memory verdicts and estimated time; no GPU, nothing written")
+    p.add_argument("--replot", default=None, metavar="JSON", help="rewrite --md and --png from a result file")
+
+
+def resolve(args):
+    """Fill the defaults that depend on other flags (idempotent)."""
+    from megamoe.reference import SKEW_EXPONENT
+
+    if args.skew is None:
+        args.skew = SKEW_EXPONENT
+    if args.out is None:
+        args.out = args.resume or args.replot or DEFAULT_OUT
+    stem = os.path.splitext(args.out)[0]
+    args.md = args.md or stem + ".md"
+    args.png = args.png or stem + ".png"
+    return args
+
+
+# --- the configurations ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Config:
+    preset: mb.Preset
+    precision: str
+    routing: str
+    tokens: int  # per rank
+    world: int
+    skew: float | None  # the skewed routing's exponent, None otherwise
+
+    @property
+    def routing_label(self) -> str:
+        return f"skewed@{self.skew:g}" if self.routing == "skewed" else self.routing
+
+    @property
+    def key(self) -> str:
+        return f"{self.preset.name}/{self.precision}/{self.routing_label}/T{self.tokens}/P{self.world}"
+
+
+def configurations(args) -> list[Config]:
+    """Every configuration, in run order: model, world, tokens, precision, routing (one layer per model,
+    world, tokens and precision; the routings reuse it)."""
+    return [Config(p, d, r, t, w, args.skew if r == "skewed" else None)
+            for p in args.shapes for w in args.world for t in args.tokens for d in args.precision
+            for r in args.routing]
+
+
+def memory_estimate(preset: mb.Preset, world: int, tokens: int, calls_per_graph: int) -> dict:
+    """GB (1e9 B) one configuration holds at its peak, by part (module docstring; the same for every
+    precision: the layer's copy is counted at bf16 size, an upper bound for the quantized layers, which may
+    stage their bf16 transform)."""
+    e, k, h, i = preset.num_experts, preset.top_k, preset.hidden, preset.intermediate
+    elems = e * 3 * h * i
+    total = world * tokens
+    rows = world * tokens * k + (e // world) * 128  # one rank's pool rows (megamoe.api._RankState)
+    slots = tokens * k
+    per_rank = rows * (h * 2 + i * 2 + 8) + slots * (h * 2 + 4) + (rows // 128) * 4
+    outputs = total * h * 2 * (1 + 2 * calls_per_graph)  # the eager y and each graph's outputs per schedule
+    reference = total * h * 4 * 2 + 3 * h * i * 4 + total * 2 * i * 4 * 2  # fp32 y, one expert, its rows
+    parts = {"weights_bf16": 2 * elems, "layer_copy": 2 * elems, "buffers": world * per_rank,
+             "inputs": total * (h * 2 + k * 8), "outputs": outputs, "reference": reference}
+    gb = {n: v / 1e9 for n, v in parts.items()}
+    gb["reserve"] = RESERVE_GB
+    gb["total"] = sum(gb.values())
+    return {n: round(v, 3) for n, v in gb.items()}
+
+
+def memory_verdict(mem: dict, capacity_gb: float) -> str | None:
+    """None where ``mem`` fits, else the skip reason with the arithmetic."""
+    if mem["total"] <= capacity_gb:
+        return None
+    parts = " + ".join(f"{n.replace('_', ' ')} {mem[n]:.1f}" for n in mem if n != "total")
+    return f"memory: needs {mem['total']:.1f} GB ({parts}) > {capacity_gb:.1f} GB"
+
+
+def kernel_seconds(preset: mb.Preset, world: int, tokens: int) -> float:
+    """The time model's one call: max(FLOPs at EST's rate, all experts' bf16 weights at its bandwidth)."""
+    from benchmarks.moe_baselines import moe_flops
+
+    flops = moe_flops(preset, world * tokens * preset.top_k)
+    return max(flops / (EST["tflops"] * 1e12), preset.num_experts * 3 * preset.hidden * preset.intermediate * 2
+               / (EST["hbm_tb_s"] * 1e12))
+
+
+def config_seconds(cfg: Config, trials: int, calls: int) -> float:
+    """One configuration: inputs, the fp32 reference, both schedules' eager call, capture warm-up and trials."""
+    from benchmarks.moe_baselines import moe_flops
+
+    ref = moe_flops(cfg.preset, cfg.world * cfg.tokens * cfg.preset.top_k) / (EST["reference_tflops"] * 1e12)
+    return EST["config_s"] + ref + len(SCHEDULES) * (2 + trials * calls) * kernel_seconds(cfg.preset, cfg.world,
+                                                                                          cfg.tokens)
+
+
+def setup_seconds(cfg: Config, new_shape: bool) -> float:
+    """Building the layer (compile, buffers, weight transform), and the model's weights where they are new."""
+    gb = cfg.preset.num_experts * 3 * cfg.preset.hidden * cfg.preset.intermediate * 2 / 1e9
+    return EST["layer_s"] + (0.5 + EST["weights_s_per_gb"] * gb if new_shape else 0.0)
+
+
+# --- statistics -----------------------------------------------------------------------------------------------
+
+def speedup_stats(pairs: list[tuple[str, float]]) -> dict:
+    """n, geometric mean, median, min and max (with the configurations that hold them) of (key, speedup)."""
+    vals = [v for _, v in pairs]
+    if not vals:
+        return {"n": 0}
+    lo, hi = min(pairs, key=lambda p: p[1]), max(pairs, key=lambda p: p[1])
+    return {"n": len(vals), "geomean": math.exp(sum(math.log(v) for v in vals) / len(vals)),
+            "median": statistics.median(vals), "min": lo[1], "max": hi[1], "min_config": lo[0],
+            "max_config": hi[0], "faster": sum(v > 1 for v in vals)}
+
+
+GROUPS = {"model": "model", "precision": "precision", "routing": "routing", "world": "world",
+          "tokens": "tokens_per_rank"}
+
+
+def summarize(entries: list[dict]) -> dict:
+    """Speedup statistics overall and by model, precision, routing, world and tokens; counts by status."""
+    measured = [e for e in entries if e.get("speedup")]
+    out = {"overall": speedup_stats([(e["key"], e["speedup"]) for e in measured])}
+    for name, field in GROUPS.items():
+        values = list(dict.fromkeys(e[field] for e in measured))
+        if name == "model":
+            values.sort(key=lambda m: MODELS.index(m) if m in MODELS else len(MODELS))
+        out[f"by_{name}"] = {str(v): speedup_stats([(e["key"], e["speedup"]) for e in measured if e[field] == v])
+                             for v in values}
+    out["counts"] = {s: sum(e["status"] == s for e in entries) for s in ("measured", "failed", "skipped", "not_run")}
+    return out
+
+
+# --- one configuration ----------------------------------------------------------------------------------------
+
+def reference_for(precision: str, x, idx, wts, w1, w2):
+    """(the reference output, what it is), or (None, why there is none) for ``precision``."""
+    import torch
+
+    import megamoe.reference as ref
+
+    if precision == "bf16":
+        return (ref.reference_moe(x, idx, wts, w1, w2, intermediate_dtype=torch.bfloat16,
+                                  combine_dtype=torch.bfloat16), "fp32, h and expert rows rounded to bf16")
+    if precision == "w8a8":
+        return (ref.reference_moe_fp8(x, idx, wts, w1, w2, l2_block=mb.FP8_H_BLOCK, combine_dtype=torch.bfloat16),
+                f"fp32, the same W8A8 quantization (h in 1x{mb.FP8_H_BLOCK} runs)")
+    if not hasattr(ref, "reference_moe_w4a8"):
+        return None, "no megamoe.reference.reference_moe_w4a8 yet: only the output's finiteness is checked"
+    return ref.reference_moe_w4a8(x, idx, wts, w1, w2, combine_dtype=torch.bfloat16), "fp32, the same W4A8 recipe"
+
+
+def describe(cfg: Config) -> dict:
+    """The configuration's fields in its result entry."""
+    p = cfg.preset
+    mode = ("one GPU" if cfg.world == 1 else
+            f"emulated: {cfg.world} ranks concurrent on one GPU (SMs split), local stores (the local-store control)")
+    return {"key": cfg.key, "model": p.name, "hidden": p.hidden, "intermediate": p.intermediate,
+            "num_experts": p.num_experts, "top_k": p.top_k, "precision": cfg.precision, "routing": cfg.routing,
+            "zipf_exponent": cfg.skew, "tokens_per_rank": cfg.tokens, "world": cfg.world, "world_mode": mode,
+            "tokens": cfg.world * cfg.tokens}
+
+
+def measure_config(ctx, cfg: Config, layer, w1, w2, index: int) -> dict:
+    """One configuration: seeded inputs (the seeds of bench megamoe's rows: the same x and routing for every
+    precision), both schedules through megamoe.run_columns, the speedup."""
+    import torch
+
+    from benchmarks.timing import round_order
+    from megamoe.reference import make_routing, routing_stats
+
+    p, total = cfg.preset, cfg.world * cfg.tokens
+    seed = mb.row_seed(ctx.args.seed, p.name, cfg.world, cfg.tokens, cfg.routing)
+    gen = torch.Generator(device=ctx.device).manual_seed(seed)
+    x = torch.randn(total, p.hidden, generator=gen, device=ctx.device).to(torch.bfloat16)
+    kw = {"skew": cfg.skew} if cfg.skew is not None else {}
+    idx, wts = make_routing(total, p.num_experts, p.top_k, cfg.routing, seed, ctx.device, **kw)
+    refs = {}
+
+    def reference(_name):  # one per configuration, for both schedules
+        if not refs:
+            refs["r"] = reference_for(cfg.precision, x, idx, wts, w1, w2)
+        return refs["r"]
+
+    calls = {s: (lambda s=s: layer.forward(x, idx, wts, schedule=s)) for s in SCHEDULES}
+    cols, times = mb.run_columns(calls, reference, ctx.capture, lambda live: ctx.timer(live, index))
+    entry = {"seed": seed, **routing_stats(idx, p.num_experts), **cols,
+             "trial_times_us": {n: [round(t, 3) for t in ts] for n, ts in times.items()},
+             "first_in_trial_0": round_order(list(SCHEDULES), 0, "rotate", index)[0]}
+    wave, inter = (cols[s].get("us") for s in SCHEDULES)
+    entry["speedup"] = wave / inter if wave and inter else None
+    entry["status"] = "measured" if entry["speedup"] else "failed"
+    if entry["status"] == "failed":
+        entry["reason"] = "; ".join(f"{s}: {cols[s]['failed']}" for s in SCHEDULES if "failed" in cols[s])
+    refs.clear()
+    return entry
+
+
+# --- a run ----------------------------------------------------------------------------------------------------
+
+class _OutOfTime(Exception):
+    pass
+
+
+def load_resume(path: str, args) -> tuple[list[dict], list[dict]]:
+    """(the measured configurations of result file ``path``, its runs' provenance); refuses a file of other
+    seeds, trials or calls per graph (its times would not be comparable)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--resume {path}: {mb._reason(e)}") from None
+    if data.get("kind") != KIND:
+        raise UsageError(f"--resume {path}: not a bench megamoe --matrix result")
+    for k in ("seed", "trials", "calls_per_graph", "skew"):
+        if data["args"].get(k) != getattr(args, k):
+            raise UsageError(f"--resume {path}: it was run with {k} = {data['args'].get(k)}, this run has "
+                             f"{getattr(args, k)}")
+    return [e for e in data["configurations"] if e["status"] == "measured"], data.get("runs", [])
+
+
+def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None, capacity_gb=None,
+               clock=time.monotonic) -> dict:
+    """Every configuration of ``args`` (add_arguments' namespace), written to args.out after each and to
+    args.md / args.png at the end (also when stopped). The keyword arguments replace the GPU parts for a
+    test: ``capture(fn)`` -> (graph or None, how), ``timer(columns, index)`` -> (medians µs, per-trial times),
+    ``api`` as load_api returns, ``capacity_gb``, ``clock`` (seconds)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.timing import capture_graph, measure_rounds
+    from cute_kernels.runtime import provenance
+
+    resolve(args)
+    start = clock()
+    torch.set_grad_enabled(False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
+    ctx = SimpleNamespace(args=args, device=device)
+    ctx.capture = capture or (lambda fn: capture_graph(fn, args.calls_per_graph, group))
+    ctx.timer = timer or (lambda cols, i: measure_rounds(cols, args.calls_per_graph, args.trials, group,
+                                                         order="rotate", start=i))
+    api = api or mb.load_api()
+    kept, runs = load_resume(args.resume, args) if args.resume else ([], [])
+    argv = mb._argv()
+    command = "xstage bench megamoe " + " ".join(argv if "--matrix" in argv else ["--matrix", *argv])
+    runs = [*runs, provenance(command)]
+    run_index = len(runs) - 1
+    capacity = capacity_gb or args.memory_gb or (torch.cuda.get_device_properties(device).total_memory / 1e9
+                                                 if torch.cuda.is_available() and str(device) != "cpu" else H200_GB)
+    configs = configurations(args)
+    entries = {c.key: {**describe(c), "status": "not_run", "reason": "not reached"} for c in configs}
+    entries.update({e["key"]: e for e in kept})
+    result = {"kind": KIND, "provenance": runs[-1], "runs": runs, "method": METHOD, "precisions": PRECISION_NOTES,
+              "speedup": "T_wave / T_interleaved (> 1: interleaved is faster)",
+              "args": {"shapes": [p.name for p in args.shapes], "precision": args.precision,
+                       "routing": args.routing, "skew": args.skew, "tokens": args.tokens, "world": args.world,
+                       "trials": args.trials, "calls_per_graph": args.calls_per_graph, "seed": args.seed,
+                       "max_minutes": args.max_minutes, "resume": args.resume},
+              "capacity_gb": capacity, "api_unavailable": api[1], "resumed": len(kept), "stopped": None}
+
+    def save(final=False):
+        result["configurations"] = list(entries.values())
+        result["summary"] = summarize(result["configurations"])
+        write_json(result, args.out)
+        if final:
+            write_markdown(result, args.md)
+            plot(result, args.png)
+
+    def budget(seconds: float, what: str):
+        if args.max_minutes is not None and clock() - start + seconds > args.max_minutes * 60:
+            raise _OutOfTime(f"--max-minutes {args.max_minutes:g}: stopped before {what} (estimated {seconds:.0f} s "
+                             f"more, {clock() - start:.0f} s elapsed)")
+
+    layers = {}
+    for c in configs:
+        layers.setdefault((c.preset.name, c.world, c.tokens, c.precision), []).append(c)
+    done_shapes = set()
+    try:
+        for (name, world, tokens, precision), todo in layers.items():
+            todo = [c for c in todo if entries[c.key]["status"] != "measured"]
+            if not todo:
+                continue
+            preset = todo[0].preset
+            mem = memory_estimate(preset, world, tokens, args.calls_per_graph)
+            why = memory_verdict(mem, capacity)
+            if why:
+                for c in todo:
+                    entries[c.key] = {**describe(c), "status": "skipped", "skip_kind": "memory", "reason": why,
+                                      "memory": mem}
+                save()
+                continue
+            budget(setup_seconds(todo[0], name not in done_shapes) + config_seconds(todo[0], args.trials,
+                                                                                   args.calls_per_graph),
+                   todo[0].key)
+            if name not in done_shapes:
+                w1 = w2 = None
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                w1, w2 = mb.make_weights(preset, mb.row_seed(args.seed, name, "weights"), device)
+                done_shapes = {name}
+            layer = mb.build_ours(api, group, preset, world, tokens, w1, w2, [precision])[precision]
+            if isinstance(layer, str):
+                print(f"{name}/{precision}/T{tokens}/P{world}: {len(todo)} configurations not built ({layer})",
+                      flush=True)
+            for c in todo:
+                index = configs.index(c)
+                base = {**describe(c), "memory": mem, "run": run_index,
+                        "estimated_s": round(config_seconds(c, args.trials, args.calls_per_graph), 2)}
+                if isinstance(layer, str):
+                    kind = "api" if api[0] is None else ("precision" if precision != "bf16" else None)
+                    entries[c.key] = {**base, "status": "skipped" if kind else "failed", "reason": layer,
+                                      **({"skip_kind": kind} if kind else {})}
+                    continue
+                budget(config_seconds(c, args.trials, args.calls_per_graph), c.key)
+                t0 = clock()
+                try:
+                    entries[c.key] = {**base, **measure_config(ctx, c, layer, w1, w2, index)}
+                except Exception as e:  # noqa: BLE001 - e.g. the inputs' allocation: recorded, the rest still runs
+                    entries[c.key] = {**base, "status": "failed", "reason": mb._reason(e)}
+                entries[c.key]["wall_s"] = round(clock() - t0, 2)
+                save()
+                print(summary_line(entries[c.key]), flush=True)
+            del layer
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            save()
+    except _OutOfTime as e:
+        result["stopped"] = str(e)
+        for entry in entries.values():
+            if entry["status"] == "not_run":
+                entry["reason"] = str(e)
+        print(result["stopped"], flush=True)
+    finally:
+        result["wall_s"] = round(clock() - start, 1)
+        save(final=True)
+    return result
+
+
+def summary_line(e: dict) -> str:
+    if e["status"] != "measured":
+        return f"{e['key']}: {e['status']} ({e.get('reason')})"
+    return (f"{e['key']}: wave {e['wave']['us']:.0f} µs, interleaved {e['interleaved']['us']:.0f} µs, "
+            f"speedup {e['speedup']:.3f} ({e.get('wall_s', 0):.1f} s)")
+
+
+METHOD = ("one layer per (model, world, tokens, precision); per configuration the seeded inputs of bench megamoe's "
+          "row, one eager call per schedule checked against megamoe.reference, CUDA graphs of calls_per_graph "
+          "calls, then `trials` barrier-aligned CUDA-event trials of both schedules in rotated order (the first "
+          "alternates per trial and, in trial 0, per configuration); per trial the max over ranks; the median of "
+          "the trials (benchmarks.timing.measure_rounds, order='rotate'); world P > 1: P ranks emulated on one GPU "
+          "with local stores; speedup = T_wave / T_interleaved")
+PRECISION_NOTES = {"bf16": "bf16 weights and activations; MegaMoE(dtype=torch.bfloat16)",
+                   "w8a8": "e4m3 weights with 128x128 block scales, e4m3 activations per 1x128; MegaMoE(dtype='w8a8'), "
+                           "else dtype=torch.float8_e4m3fn",
+                   "w4a8": "E2M1 weights with a UE8M0 scale per 32, activations as w8a8; MegaMoE(dtype='w4a8')"}
+
+
+# --- output ---------------------------------------------------------------------------------------------------
+
+def write_json(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)  # a run killed mid-write leaves the previous file whole (for --resume)
+
+
+def _f(v, nd=3) -> str:
+    return "—" if v is None else f"{v:.{nd}f}"
+
+
+def markdown(result: dict) -> str:
+    prov, s = result["provenance"], result["summary"]
+    title = (f"# MegaMoE configuration matrix: interleaved vs wave ({prov.get('device', 'no GPU')}, "
+             f"{prov.get('git_commit')})")
+    lines = [title, "", f"`{prov.get('command')}`", "",
+             f"Speedup = {result['speedup']}. Method: {result['method']}.", "",
+             "Counts: " + ", ".join(f"{n} {v}" for n, v in s["counts"].items())
+             + (f". Stopped: {result['stopped']}" if result.get("stopped") else "") + ".", "",
+             "## Summary", "", "| group | | n | geomean | median | min | max | interleaved faster |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def stat_row(group, value, st):
+        if not st.get("n"):
+            return f"| {group} | {value} | 0 | | | | | |"
+        return (f"| {group} | {value} | {st['n']} | {_f(st['geomean'])} | {_f(st['median'])} | {_f(st['min'])} | "
+                f"{_f(st['max'])} | {st['faster']} |")
+
+    lines.append(stat_row("all", "", s["overall"]))
+    for name in GROUPS:
+        lines += [stat_row(name, v, st) for v, st in s[f"by_{name}"].items()]
+    head = ("| model | H / I | experts | top-k | precision | routing | tok/rank | P | wave µs | interleaved µs | "
+            "speedup |")
+    lines += ["", "## Configurations", "", head, "| --- " * 11 + "|"]
+    shown = [e for e in result["configurations"] if e["status"] in ("measured", "failed")]
+    for e in shown:
+        routing = e["routing"] + (f" (s = {e['zipf_exponent']:g})" if e.get("zipf_exponent") is not None else "")
+        lines.append(f"| {e['model']} | {e['hidden']} / {e['intermediate']} | {e['num_experts']} | {e['top_k']} | "
+                     f"{e['precision']} | {routing} | {e['tokens_per_rank']} | {e['world']} | "
+                     f"{_f(e.get('wave', {}).get('us'), 0)} | {_f(e.get('interleaved', {}).get('us'), 0)} | "
+                     + (_f(e["speedup"]) if e["status"] == "measured" else f"failed: {e.get('reason')}") + " |")
+    why = {}
+    for e in result["configurations"]:
+        if e["status"] in ("skipped", "not_run"):
+            why.setdefault((e["status"], e.get("reason")), []).append(e["key"])
+    if why:
+        lines += ["", "## Not measured", "", "| status | configurations | reason | e.g. |", "| --- | --- | --- | --- |"]
+        lines += [f"| {st} | {len(keys)} | {r} | {keys[0]} |" for (st, r), keys in why.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(markdown(result))
+
+
+HATCH = {"balanced": "", "skewed": "//", "one_expert": "xx"}
+
+
+def plot(result: dict, path: str) -> None:
+    """Figure 8's role: per world size a panel of speedup bars, grouped by model, one slot per (precision,
+    routing, tokens) (colour: precision; hatch: routing; shade: tokens; an empty slot was not measured), a
+    line at 1; and a panel of the geometric means by model, precision and routing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    confs = result["configurations"]
+    models = [m for m in MODELS if any(e["model"] == m for e in confs)]
+    models += list(dict.fromkeys(e["model"] for e in confs if e["model"] not in models))
+    worlds = sorted({e["world"] for e in confs}) or [1]
+    slots = [(d, r, t) for d in PRECISIONS for r in dict.fromkeys(e["routing"] for e in confs)
+             for t in sorted({e["tokens_per_rank"] for e in confs})]
+    colors = dict(zip(PRECISIONS, ("tab:blue", "tab:orange", "tab:green")))
+    tokens = sorted({t for _, _, t in slots})
+    size = (max(10.0, 1.9 * max(1, len(models)) + 2), 3.3 * (len(worlds) + 1))
+    fig, axes = plt.subplots(len(worlds) + 1, 1, figsize=size, squeeze=False)
+    width = 0.85 / max(1, len(slots))
+    by_key = {(e["model"], e["world"], e["precision"], e["routing"], e["tokens_per_rank"]): e for e in confs}
+    for ax, w in zip(axes[:-1, 0], worlds):
+        top, low, n_meas = 1.1, 0.8, 0
+        for mi, m in enumerate(models):
+            for si, (d, r, t) in enumerate(slots):
+                e = by_key.get((m, w, d, r, t))
+                if not e or not e.get("speedup"):
+                    continue
+                n_meas += 1
+                alpha = 0.45 + 0.55 * (tokens.index(t) + 1) / len(tokens)
+                ax.bar(mi - 0.425 + (si + 0.5) * width, e["speedup"], width, color=colors.get(d, "gray"),
+                       alpha=alpha, hatch=HATCH.get(r, ""), edgecolor="k", linewidth=0.3)
+                top, low = max(top, e["speedup"]), min(low, 0.95 * e["speedup"])
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_xticks(range(len(models)), models)
+        ax.set_xlim(-0.5, len(models) - 0.5)
+        ax.set_ylim(low if n_meas else 0, 1.08 * top)
+        ax.set_ylabel("T_wave / T_interleaved")
+        skipped = sum(1 for e in confs if e["world"] == w and not e.get("speedup"))
+        mode = "one GPU" if w == 1 else f"P = {w} emulated on one GPU"
+        ax.set_title(f"world {w} ({mode}): {n_meas} measured, {skipped} not (skipped, failed or not run)")
+    handles = [Patch(color=colors[d], label=d) for d in PRECISIONS]
+    handles += [Patch(facecolor="white", edgecolor="k", hatch=HATCH.get(r, ""), label=r)
+                for r in dict.fromkeys(e["routing"] for e in confs)]
+    handles += [Patch(color="gray", alpha=0.45 + 0.55 * (i + 1) / len(tokens), label=f"{t} tok/rank")
+                for i, t in enumerate(tokens)]
+    axes[0, 0].legend(handles=handles, fontsize=7, ncol=len(handles), loc="upper left")
+    ax = axes[-1, 0]
+    s = result["summary"]
+    labels, vals, shades = [], [], []
+    for name, shade in (("model", "tab:gray"), ("precision", "tab:purple"), ("routing", "tab:brown")):
+        for v, st in s[f"by_{name}"].items():
+            labels.append(str(v))
+            vals.append(st.get("geomean", 0.0))
+            shades.append(shade)
+    bars = ax.bar(range(len(vals)), vals, color=shades)
+    ax.bar_label(bars, [f"{v:.3f}" for v in vals], fontsize=7)
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.set_xticks(range(len(vals)), labels, rotation=30, fontsize=8)
+    ax.set_ylim(min([0.8, *(0.95 * v for v in vals)]) if vals else 0, 1.08 * max([1.1, *vals]))
+    o = s["overall"]
+    ax.set_title("geometric mean by model, precision, routing" + (
+        f"; overall {o['geomean']:.3f} (median {o['median']:.3f}, min {o['min']:.3f}, max {o['max']:.3f}, "
+        f"n {o['n']})" if o.get("n") else ": nothing measured"))
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --- the command ----------------------------------------------------------------------------------------------
+
+def plan(args, capacity_gb: float | None = None) -> dict:
+    """What a run would do: per configuration its memory verdict and estimated seconds (its layer's and its
+    model's weights' setup counted with the first configuration that needs them); the total with every
+    precision running, and each precision's run alone, start-up included in each."""
+    resolve(args)
+    capacity = capacity_gb or args.memory_gb or H200_GB
+
+    def simulate(configs):
+        rows, layers, shapes, total = [], set(), set(), EST["startup_s"]
+        for c in configs:
+            mem = memory_estimate(c.preset, c.world, c.tokens, args.calls_per_graph)
+            why = memory_verdict(mem, capacity)
+            secs = 0.0
+            if not why:
+                layer = (c.preset.name, c.world, c.tokens, c.precision)
+                if layer not in layers:
+                    secs += setup_seconds(c, c.preset.name not in shapes)
+                    layers.add(layer)
+                    shapes.add(c.preset.name)
+                secs += config_seconds(c, args.trials, args.calls_per_graph)
+            total += secs
+            rows.append({"key": c.key, "memory_gb": mem["total"], "skip": why, "estimated_s": round(secs, 2)})
+        return rows, total
+
+    configs = configurations(args)
+    rows, total = simulate(configs)
+    alone = {d: round(simulate([c for c in configs if c.precision == d])[1]) for d in args.precision}
+    return {"capacity_gb": capacity, "configurations": rows, "estimated_s": {"all": round(total), **alone}}
+
+
+def replot(args) -> int:
+    try:
+        with open(args.replot) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--replot {args.replot}: {mb._reason(e)}") from None
+    if result.get("kind") != KIND:
+        raise UsageError(f"--replot {args.replot}: not a bench megamoe --matrix result")
+    result["summary"] = summarize(result["configurations"])
+    write_markdown(result, args.md)
+    plot(result, args.png)
+    print(f"wrote {args.md} and {args.png}", flush=True)
+    return 0
+
+
+def run(args) -> int:
+    resolve(args)
+    if args.trials < 1 or args.calls_per_graph < 1:
+        raise UsageError("--trials and --calls-per-graph must be at least 1")
+    if args.replot:
+        return replot(args)
+    if args.plan:
+        p = plan(args)
+        for r in p["configurations"]:
+            print(f"{r['key']:40s} {r['memory_gb']:7.1f} GB  " + (r["skip"] or f"~{r['estimated_s']:.1f} s"))
+        alone = ", ".join(f"{d} alone {p['estimated_s'][d]} s" for d in args.precision)
+        print(f"capacity {p['capacity_gb']:.1f} GB; estimated {p['estimated_s']['all']} s in all ({alone}; start-up "
+              f"{EST['startup_s']:g} s included in each; at bf16 rates, an upper bound for w8a8 and w4a8)")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("bench megamoe --matrix needs a CUDA GPU (torch.cuda.is_available() is False); "
+                         "--plan and --replot do not")
+    with mb.local_group(args.tmp) as group:
+        result = run_matrix(args, group)
+    print(f"wrote {args.out}, {args.md}, {args.png}: " + ", ".join(
+        f"{n} {v}" for n, v in result["summary"]["counts"].items()), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    """``python -m benchmarks.megamoe_matrix`` (the same as ``xstage bench megamoe --matrix``)."""
+    p = argparse.ArgumentParser(prog="xstage bench megamoe --matrix", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    try:
+        return run(p.parse_args(argv))
+    except UsageError as e:
+        print(f"xstage: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
