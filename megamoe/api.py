@@ -137,7 +137,7 @@ def peer_table(states: list[_RankState], device) -> torch.Tensor:
 
 def transform_weights(w1: torch.Tensor, w2: torch.Tensor, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's layout of experts ``experts`` (module docstring)."""
-    E, two_i, H = w1.shape
+    _, two_i, H = w1.shape
     I = two_i // 2
     l1 = w1[experts.start:experts.stop]
     gate = l1[:, :I].reshape(len(experts), I // 64, 64, H)
@@ -226,7 +226,7 @@ class MegaMoE:
         local = slice(self.experts.start, self.experts.stop)
         q1, s1 = quantize_fp8_blockwise_weights(w1[local].to(self.device))
         q2, s2 = quantize_fp8_blockwise_weights(w2[local].to(self.device))
-        q1t, q2t = transform_weights(q1.view(torch.uint8), q2.view(torch.uint8), range(0, self.num_local))
+        q1t, q2t = transform_weights(q1.view(torch.uint8), q2.view(torch.uint8), range(self.num_local))
         self.w1, self.w2 = q1t.view(torch.float8_e4m3fn), q2t.view(torch.float8_e4m3fn)
         self.w1_scale, self.w2_scale = s1.contiguous().view(-1), s2.contiguous().view(-1)
 

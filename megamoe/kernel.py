@@ -44,7 +44,7 @@ from quack import copy_utils, layout_utils, sm90_utils
 from cute_kernels import flags as fl
 from cute_kernels.tile_epilogue import WarpgroupTileStore
 from megamoe import tile_stream as ts
-from megamoe.phases import (AMAX_FLOOR, FP8_MAX, NUM_THREADS, PEER_KINDS, WG_THREADS, DispatchCombineMixin,
+from megamoe.phases import (AMAX_FLOOR, FP8_MAX, NUM_THREADS, WG_THREADS, DispatchCombineMixin,
                             NamedBarrierMoE)
 
 BLOCK_M = 128
@@ -99,7 +99,7 @@ class MegaMoEForward(DispatchCombineMixin):
 
     # ---------------------------------------------------------------- host
     def fake_args(self):
-        H, I, k, E = self.hidden, self.intermediate, self.top_k, self.num_local_experts
+        H, I, k = self.hidden, self.intermediate, self.top_k
         bf16, ab = self.dtype, self.ab_dtype
 
         def mat(dtype, cols, rows=None):
