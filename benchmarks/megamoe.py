@@ -2,13 +2,17 @@
 process, each timed by CUDA-Graph replay in interleaved rounds (a fresh random order each round,
 ``benchmarks.timing.measure_rounds``), with the roofline from ceilings measured in the same run.
 
-Rows: --shapes (presets below) x --world (1, or P = 2 ranks emulated on the one GPU) x --tokens (per rank) x
---routing (megamoe.reference.make_routing). Columns (COLUMNS):
+Rows: --shapes (presets below) x --world (1, or P ranks: emulated on the one GPU, or real, one GPU each, by
+--ranks) x --tokens (per rank) x --routing (megamoe.reference.make_routing). Columns (COLUMNS):
   unfused_bf16           sort by expert, torch._grouped_mm, SwiGLU x weight, torch._grouped_mm, index_add_
   unfused_fp8            the same with torch._scaled_grouped_mm, row-wise scales (benchmarks.moe_baselines)
   ours_<dtype>_<sched>   megamoe.api.MegaMoE, dtype bf16 or fp8 (e4m3 W8A8), schedule wave or interleaved:
                          one instance per dtype, the schedule chosen per call (forward(..., schedule=...)).
-At world P every column does the P ranks' work, P x tokens rows of x, on the one GPU: ours as P concurrent
+  unfused_nccl_<dtype>   real ranks only: NCCL All-to-All dispatch, the grouped GEMMs and SwiGLU of the
+                         unfused path, NCCL All-to-All combine, weighted sum (benchmarks.moe_nccl)
+--ranks emulated|real (default: real where torch.cuda.device_count() >= the world, else emulated) says what a
+world P > 1 is; real ranks run as P processes (benchmarks/megamoe_ep.py says how, and what a real row holds).
+At emulated world P every column does the P ranks' work, P x tokens rows of x, on the one GPU: ours as P concurrent
 emulated ranks (MegaMoE(..., emulated_ranks=P) on x stacked rank by rank, or the API's EmulatedMoE on per-rank
 views of it), the unfused paths as one call over all of it; the roofline counts the same work. A column that
 is missing, unsupported or left out by --columns is recorded as {"skipped": reason}, one that raised as
@@ -61,8 +65,10 @@ DTYPES = ("bf16", "fp8")
 API_DTYPES = {"bf16": ("bfloat16",), "fp8": ("float8_e4m3fn", "w8a8"), "w8a8": ("w8a8", "float8_e4m3fn"),
               "w4a8": ("w4a8",)}
 FP8_H_BLOCK = 64  # the W8A8 kernel re-quantizes h in 1 x 64 runs before Linear-2 (megamoe.api at 0b9ce82)
-COLUMNS = ("unfused_bf16", "unfused_fp8", *(f"ours_{d}_{s}" for d in DTYPES for s in SCHEDULES))
-WORLDS = (1, 2)
+COLUMNS = ("unfused_bf16", "unfused_fp8", *(f"ours_{d}_{s}" for d in DTYPES for s in SCHEDULES),
+           *(f"unfused_nccl_{d}" for d in DTYPES))
+WORLDS = (1, 2, 4, 8)
+NEEDS_REAL = "needs real ranks (--ranks real, P GPUs): this row is {mode}"
 DEFAULT_OUT = "benchmarks/results/h200/megamoe.json"
 
 
@@ -109,9 +115,13 @@ def add_arguments(p) -> None:
     p.add_argument("--routing", type=lambda t: _comma_list(t, "routing", ROUTINGS), default=["balanced", "skewed"],
                    metavar="LIST", help=f"comma-separated, of {', '.join(ROUTINGS)} (default balanced,skewed)")
     p.add_argument("--world", type=lambda t: _comma_list(t, "world size", WORLDS, int), default=[1, 2],
-                   metavar="LIST", help="1 and/or 2 (P = 2 ranks emulated on the one GPU); default 1,2")
+                   metavar="LIST", help="ranks, of 1, 2, 4, 8 (P > 1: emulated on one GPU or real, --ranks); "
+                                        "default 1,2")
     p.add_argument("--columns", type=lambda t: _comma_list(t, "column", COLUMNS), default=list(COLUMNS),
                    metavar="LIST", help=f"comma-separated, of {', '.join(COLUMNS)} (default all)")
+    from benchmarks.megamoe_ep import add_ranks_argument
+
+    add_ranks_argument(p)
     p.add_argument("--replays", type=int, default=10, help="interleaved rounds (default 10)")
     p.add_argument("--calls-per-graph", type=int, default=2, help="calls per captured graph (default 2)")
     p.add_argument("--out", default=DEFAULT_OUT, help="result JSON, rewritten after every row")
@@ -187,10 +197,12 @@ def make_weights(preset: Preset, seed: int, device):
     return w1, w2
 
 
-def build_ours(api, group, preset: Preset, world: int, tokens: int, w1, w2, dtypes, instrument: bool = False):
+def build_ours(api, group, preset: Preset, world: int, tokens: int, w1, w2, dtypes, instrument: bool = False,
+               real: bool = False):
     """{dtype: a loaded layer, or the reason there is none}, max_tokens_per_rank = tokens. World P > 1:
-    MegaMoE(..., emulated_ranks=P), else the API's EmulatedMoE behind ``RankLists``. ``dtypes``: names of
-    API_DTYPES, each tried with its candidates in order."""
+    MegaMoE(..., emulated_ranks=P), else the API's EmulatedMoE behind ``RankLists``; ``real``: this rank's
+    MegaMoE(group, ...) of a P-rank group. ``dtypes``: names of API_DTYPES, each tried with its candidates in
+    order."""
     import torch
 
     module, why = api
@@ -203,7 +215,8 @@ def build_ours(api, group, preset: Preset, world: int, tokens: int, w1, w2, dtyp
         whys = []
         for dtype in candidates:
             try:
-                out[d] = _build_one(module, group, preset, world, tokens, w1, w2, d, dtype, instrument)
+                out[d] = _build_one(module, group, preset, 1 if real else world, tokens, w1, w2, d, dtype,
+                                    instrument)
                 break
             except Exception as e:  # noqa: BLE001 - e.g. no emulated ranks yet, or a dtype not built yet
                 extra = next((k for k in ("emulated_ranks", "instrument") if k in str(e)), None)
@@ -255,8 +268,9 @@ def output_error(got, ref) -> dict:
             "finite": bool(torch.isfinite(got).all())}
 
 
-def column_calls(x, idx, wts, w1, w2, fp8w, fp8_why: str | None, ours: dict, wanted) -> dict:
-    """{column: a call, or {"skipped": why}} for one row, every column of COLUMNS present."""
+def column_calls(x, idx, wts, w1, w2, fp8w, fp8_why: str | None, ours: dict, wanted, mode: str = "emulated") -> dict:
+    """{column: a call, or {"skipped": why}} for one row (one GPU or emulated ranks, ``mode``), every column of
+    COLUMNS present (real ranks: benchmarks.megamoe_ep.real_calls)."""
     from benchmarks.moe_baselines import unfused_bf16_moe, unfused_fp8_moe
 
     cols = {"unfused_bf16": lambda: unfused_bf16_moe(x, idx, wts, w1, w2),
@@ -266,7 +280,10 @@ def column_calls(x, idx, wts, w1, w2, fp8w, fp8_why: str | None, ours: dict, wan
             m = ours.get(d, "not built")
             cols[f"ours_{d}_{s}"] = ({"skipped": m} if isinstance(m, str)
                                      else (lambda m=m, s=s: m.forward(x, idx, wts, schedule=s)))
-    return {n: (c if n in wanted else {"skipped": "left out by --columns"}) for n, c in cols.items()}
+    for d in DTYPES:
+        cols[f"unfused_nccl_{d}"] = {"skipped": NEEDS_REAL.format(mode=mode)}
+    return {n: (c if n in wanted or "unfused_nccl" in n else {"skipped": "left out by --columns"})
+            for n, c in cols.items()}
 
 
 def column_dtype(name: str) -> str:
@@ -274,10 +291,14 @@ def column_dtype(name: str) -> str:
 
 
 def derive(row: dict) -> None:
-    """Speedups over the unfused path of the same dtype, and interleaved / wave time per dtype."""
+    """Speedups over the unfused path of the same dtype (at real ranks the NCCL one, unfused_nccl_<dtype>;
+    row["baseline"] names it), and interleaved / wave time per dtype."""
     cols = row["columns"]
+    row["baseline"] = {}
     for d in DTYPES:
-        base = cols[f"unfused_{d}"].get("us")
+        name = next((n for n in (f"unfused_nccl_{d}", f"unfused_{d}") if "us" in cols.get(n, {})), None)
+        row["baseline"][d] = name
+        base = cols[name]["us"] if name else None
         for s in SCHEDULES:
             c = cols[f"ours_{d}_{s}"]
             if "us" in c and base:
@@ -302,16 +323,22 @@ def dump_summary(arrays: dict) -> dict:
 
 # --- a run ------------------------------------------------------------------------------------------------------
 
-def bench(args, group, *, device="cuda", ceilings=None, capture=None, timer=None, api=None) -> dict:
-    """Every row of ``args`` (add_arguments' namespace; --shapes may hold any Preset), written to args.out
-    (and its figure) after every row. The keyword arguments replace the GPU parts for a test: ``ceilings``
-    (measure_ceilings' dict), ``capture(fn)`` -> (graph or None, how), ``timer(columns)`` -> (medians µs,
-    per-round times) as measure_rounds, ``api`` as load_api returns."""
+def bench(args, group, *, device="cuda", ceilings=None, capture=None, timer=None, api=None, worlds=None,
+          command=None) -> dict:
+    """Every row of ``args`` (add_arguments' namespace; --shapes may hold any Preset) at the one-GPU and
+    emulated worlds ``worlds`` (default args.world), written to args.out (and its figure) after every row.
+    The keyword arguments replace the GPU parts for a test: ``ceilings`` (measure_ceilings' dict),
+    ``capture(fn)`` -> (graph or None, how), ``timer(columns)`` -> (medians µs, per-round times) as
+    measure_rounds, ``api`` as load_api returns."""
     from types import SimpleNamespace
 
     import torch
 
-    from benchmarks.moe_baselines import fp8_grouped_unavailable, fp8_rowwise_weights, measure_ceilings
+    from benchmarks.moe_baselines import (
+        fp8_grouped_unavailable,
+        fp8_rowwise_weights,
+        measure_ceilings,
+    )
     from benchmarks.timing import capture_graph, measure_rounds
 
     torch.set_grad_enabled(False)
@@ -323,16 +350,15 @@ def bench(args, group, *, device="cuda", ceilings=None, capture=None, timer=None
     api = api or load_api()
     ctx.fp8_why = fp8_grouped_unavailable(str(device)) if "unfused_fp8" in args.columns else None
     ours_dtypes = [d for d in DTYPES if any(f"ours_{d}_{s}" in args.columns for s in SCHEDULES)]
-    result = {"command": "xstage bench megamoe " + " ".join(_argv()), "ceilings": ctx.ceilings,
-              "api_unavailable": api[1], "unfused_fp8_unavailable": ctx.fp8_why,
-              "unfused_fp8_recipe": "row-wise: one scale per token row and per output channel of each expert",
-              "presets": {p.name: asdict(p) for p in args.shapes}, "rows": []}
+    result = new_result(args, command or "xstage bench megamoe " + " ".join(_argv()), ctx.ceilings, api,
+                        ctx.fp8_why)
+    result["ceilings_by_world"] = {str(w): ctx.ceilings for w in worlds or args.world}
     ctx.dumps, ctx.dump_entries = {}, []
     try:
         for preset in args.shapes:
             w1, w2 = make_weights(preset, row_seed(args.seed, preset.name, "weights"), device)
             fp8w = fp8_rowwise_weights(w1, w2) if "unfused_fp8" in args.columns and not ctx.fp8_why else None
-            for world in args.world:
+            for world in worlds or args.world:
                 for tokens in args.tokens:
                     ours = build_ours(api, group, preset, world, tokens, w1, w2, ours_dtypes)
                     probes = (build_ours(api, group, preset, world, tokens, w1, w2, ours_dtypes, instrument=True)
@@ -353,6 +379,32 @@ def bench(args, group, *, device="cuda", ceilings=None, capture=None, timer=None
     return result
 
 
+def new_result(args, command: str, ceilings: dict, api, fp8_why) -> dict:
+    """A run's result before its rows (what _write writes beside them)."""
+    from benchmarks.megamoe_ep import ranks_record
+    from benchmarks.moe_nccl import RECIPE
+
+    modes = getattr(args, "rank_modes", None) or {w: "one GPU" if w == 1 else "emulated" for w in args.world}
+    return {"command": command, "ceilings": ceilings, "api_unavailable": api[1], "unfused_fp8_unavailable": fp8_why,
+            "unfused_fp8_recipe": "row-wise: one scale per token row and per output channel of each expert",
+            "unfused_nccl_recipe": RECIPE, **ranks_record(getattr(args, "ranks", None), modes,
+                                                          getattr(args, "gpus", None)),
+            "presets": {p.name: asdict(p) for p in args.shapes}, "rows": []}
+
+
+def reference_output(key: str, x, idx, wts, w1, w2):
+    """(the reference, what it is) of the bf16 columns (``key`` "bf16") or of ours_fp8 ("fp8")."""
+    import torch
+
+    from megamoe.reference import reference_moe, reference_moe_fp8
+
+    if key == "fp8":
+        return (reference_moe_fp8(x, idx, wts, w1, w2, l2_block=FP8_H_BLOCK, combine_dtype=torch.bfloat16),
+                "fp32, the same FP8 quantization")
+    return (reference_moe(x, idx, wts, w1, w2, intermediate_dtype=torch.bfloat16, combine_dtype=torch.bfloat16),
+            "fp32, h and expert rows rounded to bf16")
+
+
 def measure_row(ctx, preset: Preset, world: int, tokens: int, routing: str, weights, ours: dict, probes,
                 index: int) -> dict:
     """One row: fresh seeded inputs and routing for world x tokens rows, every column checked once eagerly
@@ -360,7 +412,7 @@ def measure_row(ctx, preset: Preset, world: int, tokens: int, routing: str, weig
     import torch
 
     from benchmarks.moe_baselines import roofline_terms
-    from megamoe.reference import make_routing, reference_moe, reference_moe_fp8, routing_stats
+    from megamoe.reference import make_routing, routing_stats
 
     w1, w2, fp8w = weights
     total = world * tokens
@@ -372,7 +424,8 @@ def measure_row(ctx, preset: Preset, world: int, tokens: int, routing: str, weig
     roof = {d: roofline_terms(preset, total, preset.top_k, d, ctx.ceilings, rows=stats["rows"],
                               experts_touched=stats["experts_touched"]) for d in DTYPES}
     row = {"shape": preset.name, "hidden": preset.hidden, "intermediate": preset.intermediate,
-           "num_experts": preset.num_experts, "top_k": preset.top_k, "world": world, "tokens_per_rank": tokens,
+           "num_experts": preset.num_experts, "top_k": preset.top_k, "world": world,
+           "ranks": "one GPU" if world == 1 else "emulated", "tokens_per_rank": tokens,
            "tokens": total, "routing": routing, "seed": seed, **stats, "flops": roof["bf16"]["flops"],
            "roofline": roof, "columns": {}, "interleaved_over_wave": {}}
     refs = {}
@@ -380,15 +433,11 @@ def measure_row(ctx, preset: Preset, world: int, tokens: int, routing: str, weig
     def reference(name):  # each computed once per row, for the columns that run
         key = "fp8" if name.startswith("ours_fp8") else "bf16"
         if key not in refs:
-            refs[key] = (reference_moe_fp8(x, idx, wts, w1, w2, l2_block=FP8_H_BLOCK, combine_dtype=torch.bfloat16)
-                         if key == "fp8"
-                         else reference_moe(x, idx, wts, w1, w2, intermediate_dtype=torch.bfloat16,
-                                            combine_dtype=torch.bfloat16))
-        what = ("fp32, the same FP8 quantization" if key == "fp8" else "fp32, h and expert rows rounded to bf16"
-                + (" (unquantized: this column's row-wise FP8 is not applied)" if name == "unfused_fp8" else ""))
-        return refs[key], what
+            refs[key] = reference_output(key, x, idx, wts, w1, w2)
+        return refs[key][0], refs[key][1] + (" (unquantized: this column's row-wise FP8 is not applied)"
+                                             if name == "unfused_fp8" else "")
 
-    calls = column_calls(x, idx, wts, w1, w2, fp8w, ctx.fp8_why, ours, ctx.args.columns)
+    calls = column_calls(x, idx, wts, w1, w2, fp8w, ctx.fp8_why, ours, ctx.args.columns, row["ranks"])
     row["columns"], times = run_columns(calls, reference, ctx.capture, ctx.timer)
     for name, c in row["columns"].items():
         if "us" in c:
@@ -404,13 +453,15 @@ def measure_row(ctx, preset: Preset, world: int, tokens: int, routing: str, weig
     return row
 
 
-def run_columns(calls: dict, reference, capture, timer) -> tuple[dict, dict]:
+def run_columns(calls: dict, reference, capture, timer, agree=None) -> tuple[dict, dict]:
     """The row runner's core, shared with the matrix: every call of ``calls`` ({name: a call, or {"skipped":
     why}}) once eagerly (the correctness check, and the warm-up that compiles) against ``reference(name)`` ->
     (tensor, what it is) or (None, why there is none), then ``capture(fn)`` -> (graph or None, how); the live
     ones timed together by ``timer({name: (fn, graph)})`` -> (medians µs, per-round times). Returns ({name:
     {"timing", "error", "us"} or {"skipped"} or {"failed": why}}, per-round times): a column that raises is
-    recorded as failed and the rest still run."""
+    recorded as failed and the rest still run. ``agree(ok)`` (real ranks; a collective, called once per call
+    after its eager check): True where the check passed on every rank, so every rank captures and times the
+    same columns (one failed elsewhere is recorded here as failed on another rank)."""
     import torch
 
     cols, live = {}, {}
@@ -424,11 +475,22 @@ def run_columns(calls: dict, reference, capture, timer) -> tuple[dict, dict]:
             ref, what = reference(name)
             err = output_error(y, ref) if ref is not None else {"finite": bool(torch.isfinite(y).all())}
             del y
-            graph, how = capture(fn)
-            live[name] = (fn, graph)
-            cols[name] = {"timing": how, "error": {"reference": what, **err}}
+            cols[name] = {"error": {"reference": what, **err}}
         except Exception as e:  # noqa: BLE001 - one failing column must not hide the others
             cols[name] = {"failed": _reason(e)}
+        if agree is not None and not agree("failed" not in cols[name]) and "failed" not in cols[name]:
+            cols[name] = {"failed": "failed on another rank"}
+        if "failed" in cols[name]:
+            continue
+        try:
+            graph, how = capture(fn)
+            live[name] = (fn, graph)
+            cols[name] = {"timing": how, **cols[name]}
+        except Exception as e:  # noqa: BLE001 - as above
+            cols[name] = {"failed": _reason(e)}
+        if agree is not None and not agree(name in live) and name in live:
+            del live[name]
+            cols[name] = {"failed": "failed on another rank"}
     medians, times = timer(live) if live else ({}, {})
     for name, us in medians.items():
         cols[name]["us"] = us
@@ -494,17 +556,19 @@ METHOD = ("each column's first call eager (checked against megamoe.reference), t
           "calls; all columns replayed in interleaved rounds, a fresh random order each round "
           "(benchmarks.timing.measure_rounds), median over rounds; roofline = max(FLOPs / the dtype's dense "
           "ceiling, (touched experts' weights + x and y in bf16) / HBM copy bandwidth), ceilings measured at the "
-          "start of the same run; roofline_efficiency = roofline / time; at world P all P ranks' tokens on the one "
-          "GPU")
+          "start of the same run; roofline_efficiency = roofline / time; at emulated world P all P ranks' tokens on "
+          "the one GPU (real ranks: method_real_ranks)")
 
 
 def _write(result: dict, args) -> None:
+    from benchmarks.megamoe_ep import METHOD as METHOD_REAL
     from cute_kernels.runtime import provenance
 
     out = {"provenance": provenance(result["command"]), "method": METHOD,
+           **({"method_real_ranks": METHOD_REAL} if any(r.get("ranks") == "real" for r in result["rows"]) else {}),
            "args": {"shapes": [p.name for p in args.shapes], "tokens": args.tokens, "routing": args.routing,
-                    "world": args.world, "columns": args.columns, "replays": args.replays,
-                    "calls_per_graph": args.calls_per_graph, "seed": args.seed},
+                    "world": args.world, "ranks": getattr(args, "ranks", None), "columns": args.columns,
+                    "replays": args.replays, "calls_per_graph": args.calls_per_graph, "seed": args.seed},
            **{k: v for k, v in result.items() if k != "command"}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -516,12 +580,14 @@ def summary_line(row: dict) -> str:
     cells = []
     for name, c in row["columns"].items():
         if "us" in c:
+            rel = c["error"].get("max_rel")
             cells.append(f"{name} {c['us']:.0f} µs ({c['tflops']:.0f} TF, {c['roofline_efficiency']:.2f} roof, "
-                         f"rel err {c['error']['max_rel']:.1e})")
+                         f"rel err {'—' if rel is None else f'{rel:.1e}'})")
         elif "failed" in c:
             cells.append(f"{name} FAILED")
     roof = row["roofline"]
-    return (f"{row['shape']} P={row['world']} T={row['tokens_per_rank']} {row['routing']}: "
+    mode = " real" if row.get("ranks") == "real" else ""
+    return (f"{row['shape']} P={row['world']}{mode} T={row['tokens_per_rank']} {row['routing']}: "
             f"roofline bf16 {roof['bf16']['seconds'] * 1e6:.0f} µs / fp8 {roof['fp8']['seconds'] * 1e6:.0f} µs; "
             + "; ".join(cells))
 
@@ -554,7 +620,9 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylim(0, 1.3 * top)  # headroom: the legend sits above the markers
         ax.set_xticks(xs, [f"{r['tokens_per_rank']} tok/rank\n{r['routing']}" for r in mine])
         ax.set_ylabel("effective TFLOP/s")
-        ax.set_title(f"{g[0]}, world {g[1]}" + ("" if names else ": no column timed"))
+        kind = mine[0].get("ranks") if mine else None
+        mode = {"real": f" (EP {g[1]}, real ranks)", "emulated": " (emulated)"}.get(kind, "")
+        ax.set_title(f"{g[0]}, world {g[1]}{mode}" + ("" if names else ": no column timed"))
         ax.legend(fontsize=7, ncol=4, loc="upper left")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -571,20 +639,28 @@ def run(args) -> int:
 
     if not torch.cuda.is_available():
         raise UsageError("bench megamoe needs a CUDA GPU (torch.cuda.is_available() is False)")
-    with local_group(args.tmp) as group:
-        bench(args, group)
+    from benchmarks import megamoe_ep
+
+    args.gpus = torch.cuda.device_count()
+    args.rank_modes = megamoe_ep.rank_modes(args.ranks, args.world, args.gpus)
+    print("ranks: " + ", ".join(f"world {w} {m}" for w, m in args.rank_modes.items()), flush=True)
+    if "real" in args.rank_modes.values():
+        megamoe_ep.run_bench(args)
+    else:
+        with local_group(args.tmp) as group:
+            bench(args, group)
     print(f"wrote {args.out}", flush=True)
     return 0
 
 
-def local_group(tmp: str):
+def local_group(tmp: str, backend: str = "nccl"):
     """The one-rank process group the timing's barriers and all-reduces run in (file:// rendezvous in tmp)."""
     from cute_kernels.dist import process_group
 
     init_file = os.path.join(tmp, f"megamoe_bench_pg_{os.getpid()}")
     if os.path.exists(init_file):
         os.remove(init_file)  # a stale rendezvous file would hang the file:// init
-    return process_group(0, 1, init_file)
+    return process_group(0, 1, init_file, backend=backend)
 
 
 def main(argv=None) -> int:

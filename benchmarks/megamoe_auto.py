@@ -23,7 +23,9 @@ def regrets(bench: dict, margin: float, dtype: str = "bf16", sms: int = 132) -> 
             continue
         hidden, intermediate, experts, top_k = PRESETS[row["shape"]]
         world, tokens = row["world"], row["tokens_per_rank"]
-        grid = sms // world - (sms // world) % 2
+        # an emulated rank runs over SMs / P CTAs of the one GPU, a real rank over all of its own GPU's
+        per = sms if row.get("ranks") == "real" else sms // world
+        grid = per - per % 2
         precision = "w8a8" if dtype == "fp8" else "bf16"
         pick = auto.choose_schedule(hidden, intermediate, experts, top_k, world, auto.token_bucket(tokens), grid,
                                     precision, margin)
@@ -31,7 +33,8 @@ def regrets(bench: dict, margin: float, dtype: str = "bf16", sms: int = 132) -> 
                                         grid, precision)
         measured = {"wave": wave["us"], "interleaved": inter["us"]}
         best = min(measured.values())
-        out.append({"shape": row["shape"], "world": world, "tokens_per_rank": tokens, "routing": row["routing"],
+        out.append({"shape": row["shape"], "world": world, "ranks": row.get("ranks"), "grid": grid,
+                    "tokens_per_rank": tokens, "routing": row["routing"],
                     "measured_us": measured, "predicted_us": pred, "pick": pick,
                     "better": min(measured, key=measured.get), "regret": measured[pick] / best - 1.0})
     return out
@@ -56,7 +59,8 @@ def main(argv=None) -> int:
     from megamoe import auto
 
     margin = auto.AUTO_MARGIN if args.margin is None else args.margin
-    bench = json.load(open(args.bench))
+    with open(args.bench) as f:
+        bench = json.load(f)
     rows = regrets(bench, margin, args.dtype)
     if not rows:
         raise SystemExit(f"{args.bench}: no row has both ours_{args.dtype} orders measured")

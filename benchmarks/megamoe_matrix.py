@@ -5,7 +5,8 @@ kernel), the same inputs, only the schedule argument of the call differs (issue 
 Configurations: --shapes (the seven PRESETS of benchmarks/megamoe.py, MODELS order) x --precision x --routing
 (balanced, and skewed: Zipf-like expert popularity (1 + rank)^-s, s = --skew, recorded per configuration) x
 --tokens (per rank) x --world (1; P > 1: P ranks emulated on the one GPU, each over SMs / P CTAs on its own
-stream with its stores local: the paper's local-store control; the result records which).
+stream with its stores local, the paper's local-store control; or, by --ranks, P real ranks on P GPUs, one
+process each, as benchmarks/megamoe_ep.py runs them, keyed .../EP<P>; the result records which).
 Precisions (PRECISIONS; what MegaMoE(dtype=...) is passed: benchmarks.megamoe.API_DTYPES, tried in order):
   bf16   bf16 weights and activations                                     dtype=torch.bfloat16
   w8a8   e4m3 weights (128x128 block scales), e4m3 activations (1x128)    dtype="w8a8", else torch.float8_e4m3fn
@@ -48,6 +49,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks import megamoe as mb
+from benchmarks.megamoe_ep import ranks_record
 from calibrate.cli import UsageError
 
 MODELS = ("dit-moe", "qwen3-moe", "hunyuan", "mimo", "glm", "dsv4-flash", "dsv4-pro")  # Figure 8's order
@@ -84,7 +86,11 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=mb._tokens, default=list(DEFAULT_TOKENS), metavar="LIST",
                    help="tokens per rank, comma-separated (default 4096,8192)")
     p.add_argument("--world", type=lambda t: mb._comma_list(t, "world size", WORLDS, int), default=[1, 2],
-                   metavar="LIST", help="ranks, comma-separated; P > 1 is emulated on the one GPU (default 1,2)")
+                   metavar="LIST", help="ranks, comma-separated; P > 1 emulated on the one GPU or real (--ranks); "
+                                        "default 1,2")
+    from benchmarks.megamoe_ep import add_ranks_argument
+
+    add_ranks_argument(p)
     p.add_argument("--trials", type=int, default=20, help="timed trials per configuration (default 20)")
     p.add_argument("--calls-per-graph", type=int, default=2, help="calls per captured graph (default 2)")
     p.add_argument("--max-minutes", type=float, default=None, metavar="M",
@@ -129,6 +135,7 @@ class Config:
     tokens: int  # per rank
     world: int
     skew: float | None  # the skewed routing's exponent, None otherwise
+    real: bool = False  # world > 1 as real ranks, one GPU each (else emulated on one)
 
     @property
     def routing_label(self) -> str:
@@ -136,30 +143,35 @@ class Config:
 
     @property
     def key(self) -> str:
-        return f"{self.preset.name}/{self.precision}/{self.routing_label}/T{self.tokens}/P{self.world}"
+        return (f"{self.preset.name}/{self.precision}/{self.routing_label}/T{self.tokens}/"
+                f"{'EP' if self.real else 'P'}{self.world}")
 
 
 def configurations(args) -> list[Config]:
     """Every configuration, in run order: model, world, tokens, precision, routing (one layer per model,
     world, tokens and precision; the routings reuse it)."""
-    return [Config(p, d, r, t, w, args.skew if r == "skewed" else None)
+    modes = getattr(args, "rank_modes", None) or {}
+    return [Config(p, d, r, t, w, args.skew if r == "skewed" else None, modes.get(w) == "real")
             for p in args.shapes for w in args.world for t in args.tokens for d in args.precision
             for r in args.routing]
 
 
-def memory_estimate(preset: mb.Preset, world: int, tokens: int, calls_per_graph: int) -> dict:
-    """GB (1e9 B) one configuration holds at its peak, by part (module docstring; the same for every
+def memory_estimate(preset: mb.Preset, world: int, tokens: int, calls_per_graph: int, real: bool = False) -> dict:
+    """GB (1e9 B) one configuration holds at its peak on a GPU, by part (module docstring; the same for every
     precision: the layer's copy is counted at bf16 size, an upper bound for the quantized layers, which may
-    stage their bf16 transform)."""
+    stage their bf16 transform). ``real``: one rank's GPU (its experts' copy, its buffers, its tokens' outputs
+    and reference; every rank draws all P*T inputs)."""
     e, k, h, i = preset.num_experts, preset.top_k, preset.hidden, preset.intermediate
     elems = e * 3 * h * i
     total = world * tokens
+    mine = tokens if real else total  # the tokens this GPU computes
     rows = world * tokens * k + (e // world) * 128  # one rank's pool rows (megamoe.api._RankState)
     slots = tokens * k
     per_rank = rows * (h * 2 + i * 2 + 8) + slots * (h * 2 + 4) + (rows // 128) * 4
-    outputs = total * h * 2 * (1 + 2 * calls_per_graph)  # the eager y and each graph's outputs per schedule
-    reference = total * h * 4 * 2 + 3 * h * i * 4 + total * 2 * i * 4 * 2  # fp32 y, one expert, its rows
-    parts = {"weights_bf16": 2 * elems, "layer_copy": 2 * elems, "buffers": world * per_rank,
+    outputs = mine * h * 2 * (1 + 2 * calls_per_graph)  # the eager y and each graph's outputs per schedule
+    reference = mine * h * 4 * 2 + 3 * h * i * 4 + mine * 2 * i * 4 * 2  # fp32 y, one expert, its rows
+    parts = {"weights_bf16": 2 * elems, "layer_copy": 2 * elems // (world if real else 1),
+             "buffers": (1 if real else world) * per_rank,
              "inputs": total * (h * 2 + k * 8), "outputs": outputs, "reference": reference}
     gb = {n: v / 1e9 for n, v in parts.items()}
     gb["reserve"] = RESERVE_GB
@@ -175,22 +187,25 @@ def memory_verdict(mem: dict, capacity_gb: float) -> str | None:
     return f"memory: needs {mem['total']:.1f} GB ({parts}) > {capacity_gb:.1f} GB"
 
 
-def kernel_seconds(preset: mb.Preset, world: int, tokens: int) -> float:
-    """The time model's one call: max(FLOPs at EST's rate, all experts' bf16 weights at its bandwidth)."""
+def kernel_seconds(preset: mb.Preset, world: int, tokens: int, real: bool = False) -> float:
+    """The time model's one call: max(FLOPs at EST's rate, all experts' bf16 weights at its bandwidth); at
+    real ranks one GPU's share (1/P of both)."""
     from benchmarks.moe_baselines import moe_flops
 
-    flops = moe_flops(preset, world * tokens * preset.top_k)
+    share = world if real else 1
+    flops = moe_flops(preset, world * tokens * preset.top_k) / share
     return max(flops / (EST["tflops"] * 1e12), preset.num_experts * 3 * preset.hidden * preset.intermediate * 2
-               / (EST["hbm_tb_s"] * 1e12))
+               / share / (EST["hbm_tb_s"] * 1e12))
 
 
 def config_seconds(cfg: Config, trials: int, calls: int) -> float:
     """One configuration: inputs, the fp32 reference, both schedules' eager call, capture warm-up and trials."""
     from benchmarks.moe_baselines import moe_flops
 
-    ref = moe_flops(cfg.preset, cfg.world * cfg.tokens * cfg.preset.top_k) / (EST["reference_tflops"] * 1e12)
+    mine = cfg.tokens if cfg.real else cfg.world * cfg.tokens  # the reference's tokens on one GPU
+    ref = moe_flops(cfg.preset, mine * cfg.preset.top_k) / (EST["reference_tflops"] * 1e12)
     return EST["config_s"] + ref + len(SCHEDULES) * (2 + trials * calls) * kernel_seconds(cfg.preset, cfg.world,
-                                                                                          cfg.tokens)
+                                                                                          cfg.tokens, cfg.real)
 
 
 def setup_seconds(cfg: Config, new_shape: bool) -> float:
@@ -253,16 +268,21 @@ def describe(cfg: Config) -> dict:
     """The configuration's fields in its result entry."""
     p = cfg.preset
     mode = ("one GPU" if cfg.world == 1 else
+            f"real: {cfg.world} ranks, one GPU each (MegaMoE over symmetric memory; per trial the max over ranks)"
+            if cfg.real else
             f"emulated: {cfg.world} ranks concurrent on one GPU (SMs split), local stores (the local-store control)")
     return {"key": cfg.key, "model": p.name, "hidden": p.hidden, "intermediate": p.intermediate,
             "num_experts": p.num_experts, "top_k": p.top_k, "precision": cfg.precision, "routing": cfg.routing,
             "zipf_exponent": cfg.skew, "tokens_per_rank": cfg.tokens, "world": cfg.world, "world_mode": mode,
+            "ranks": "one GPU" if cfg.world == 1 else "real" if cfg.real else "emulated",
             "tokens": cfg.world * cfg.tokens}
 
 
 def measure_config(ctx, cfg: Config, layer, w1, w2, index: int) -> dict:
     """One configuration: seeded inputs (the seeds of bench megamoe's rows: the same x and routing for every
-    precision), both schedules through megamoe.run_columns, the speedup."""
+    precision), both schedules through megamoe.run_columns, the speedup. At real ranks (ctx.ranks) this rank
+    computes its slice of the P*T tokens, every rank's check is kept (the max over ranks) and the per-rank
+    routing is recorded (benchmarks.megamoe_ep.ep_stats)."""
     import torch
 
     from benchmarks.timing import round_order
@@ -274,6 +294,14 @@ def measure_config(ctx, cfg: Config, layer, w1, w2, index: int) -> dict:
     x = torch.randn(total, p.hidden, generator=gen, device=ctx.device).to(torch.bfloat16)
     kw = {"skew": cfg.skew} if cfg.skew is not None else {}
     idx, wts = make_routing(total, p.num_experts, p.top_k, cfg.routing, seed, ctx.device, **kw)
+    stats = routing_stats(idx, p.num_experts)
+    ranks = ctx.ranks if cfg.real else None
+    if ranks is not None:
+        from benchmarks.megamoe_ep import ep_stats
+
+        stats.update(ep_stats(idx, p.num_experts, cfg.world))
+        mine = slice(ranks.rank * cfg.tokens, (ranks.rank + 1) * cfg.tokens)
+        x, idx, wts = (a[mine].clone() for a in (x, idx, wts))
     refs = {}
 
     def reference(_name):  # one per configuration, for both schedules
@@ -282,8 +310,13 @@ def measure_config(ctx, cfg: Config, layer, w1, w2, index: int) -> dict:
         return refs["r"]
 
     calls = {s: (lambda s=s: layer.forward(x, idx, wts, schedule=s)) for s in SCHEDULES}
-    cols, times = mb.run_columns(calls, reference, ctx.capture, lambda live: ctx.timer(live, index))
-    entry = {"seed": seed, **routing_stats(idx, p.num_experts), **cols,
+    cols, times = mb.run_columns(calls, reference, ctx.capture, lambda live: ctx.timer(live, index),
+                                 agree=ranks.agree if ranks is not None else None)
+    if ranks is not None:
+        from benchmarks.megamoe_ep import merge_columns
+
+        cols = merge_columns(ranks.gather(cols))
+    entry = {"seed": seed, **stats, **cols,
              "trial_times_us": {n: [round(t, 3) for t in ts] for n, ts in times.items()},
              "first_in_trial_0": round_order(list(SCHEDULES), 0, "rotate", index)[0]}
     wave, inter = (cols[s].get("us") for s in SCHEDULES)
@@ -319,11 +352,15 @@ def load_resume(path: str, args) -> tuple[list[dict], list[dict]]:
 
 
 def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None, capacity_gb=None,
-               clock=time.monotonic) -> dict:
+               clock=time.monotonic, worlds=None, start=None, phase=None, ranks=None) -> dict:
     """Every configuration of ``args`` (add_arguments' namespace), written to args.out after each and to
     args.md / args.png at the end (also when stopped). The keyword arguments replace the GPU parts for a
     test: ``capture(fn)`` -> (graph or None, how), ``timer(columns, index)`` -> (medians µs, per-trial times),
-    ``api`` as load_api returns, ``capacity_gb``, ``clock`` (seconds)."""
+    ``api`` as load_api returns, ``capacity_gb``, ``clock`` (seconds). A phase of a run with real ranks
+    (benchmarks.megamoe_ep.run_matrix): ``worlds``, the worlds this call runs (the others' entries are kept);
+    ``start``, the run's clock at its start (--max-minutes counts from it); ``phase``, the result the phase
+    before wrote (its entries and runs continue; --resume was read by the first phase); ``ranks``, this
+    rank's megamoe_ep.Ranks at real P (every rank decides alike; rank 0 writes)."""
     from types import SimpleNamespace
 
     import torch
@@ -332,18 +369,22 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
     from cute_kernels.runtime import provenance
 
     resolve(args)
-    start = clock()
+    start = clock() if start is None else start
+    writer = ranks is None or ranks.writer
     torch.set_grad_enabled(False)
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
-    ctx = SimpleNamespace(args=args, device=device)
+    ctx = SimpleNamespace(args=args, device=device, ranks=ranks)
     ctx.capture = capture or (lambda fn: capture_graph(fn, args.calls_per_graph, group))
     ctx.timer = timer or (lambda cols, i: measure_rounds(cols, args.calls_per_graph, args.trials, group,
                                                          order="rotate", start=i))
     api = api or mb.load_api()
-    kept, runs = load_resume(args.resume, args) if args.resume else ([], [])
-    argv = mb._argv()
-    command = "xstage bench megamoe " + " ".join(argv if "--matrix" in argv else ["--matrix", *argv])
-    runs = [*runs, provenance(command)]
+    if phase is not None:
+        kept, runs = phase["configurations"], phase["runs"]
+    else:
+        kept, runs = load_resume(args.resume, args) if args.resume else ([], [])
+        argv = mb._argv()
+        command = "xstage bench megamoe " + " ".join(argv if "--matrix" in argv else ["--matrix", *argv])
+        runs = [*runs, provenance(command)]
     run_index = len(runs) - 1
     capacity = capacity_gb or args.memory_gb or (torch.cuda.get_device_properties(device).total_memory / 1e9
                                                  if torch.cuda.is_available() and str(device) != "cpu" else H200_GB)
@@ -355,10 +396,18 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
               "args": {"shapes": [p.name for p in args.shapes], "precision": args.precision,
                        "routing": args.routing, "skew": args.skew, "tokens": args.tokens, "world": args.world,
                        "trials": args.trials, "calls_per_graph": args.calls_per_graph, "seed": args.seed,
-                       "max_minutes": args.max_minutes, "resume": args.resume},
-              "capacity_gb": capacity, "api_unavailable": api[1], "resumed": len(kept), "stopped": None}
+                       "max_minutes": args.max_minutes, "resume": args.resume,
+                       "ranks": getattr(args, "ranks", None)},
+              **ranks_record(getattr(args, "ranks", None),
+                             getattr(args, "rank_modes", None) or {w: "one GPU" if w == 1 else "emulated"
+                                                                   for w in args.world},
+                             getattr(args, "gpus", None)),
+              "capacity_gb": capacity, "api_unavailable": api[1],
+              "resumed": phase["resumed"] if phase is not None else len(kept), "stopped": None}
 
     def save(final=False):
+        if not writer:
+            return
         result["configurations"] = list(entries.values())
         result["summary"] = summarize(result["configurations"])
         write_json(result, args.out)
@@ -367,7 +416,10 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
             plot(result, args.png)
 
     def budget(seconds: float, what: str):
-        if args.max_minutes is not None and clock() - start + seconds > args.max_minutes * 60:
+        over = args.max_minutes is not None and clock() - start + seconds > args.max_minutes * 60
+        if ranks is not None:
+            over = not ranks.agree(not over)  # every rank stops together
+        if over:
             raise _OutOfTime(f"--max-minutes {args.max_minutes:g}: stopped before {what} (estimated {seconds:.0f} s "
                              f"more, {clock() - start:.0f} s elapsed)")
 
@@ -378,10 +430,10 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
     try:
         for (name, world, tokens, precision), todo in layers.items():
             todo = [c for c in todo if entries[c.key]["status"] != "measured"]
-            if not todo:
-                continue
+            if not todo or (worlds is not None and world not in worlds) or (todo[0].real and ranks is None):
+                continue  # done, or another phase's (a real world runs only in its ranks' phase)
             preset = todo[0].preset
-            mem = memory_estimate(preset, world, tokens, args.calls_per_graph)
+            mem = memory_estimate(preset, world, tokens, args.calls_per_graph, todo[0].real)
             why = memory_verdict(mem, capacity)
             if why:
                 for c in todo:
@@ -398,8 +450,9 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
                     torch.cuda.empty_cache()
                 w1, w2 = mb.make_weights(preset, mb.row_seed(args.seed, name, "weights"), device)
                 done_shapes = {name}
-            layer = mb.build_ours(api, group, preset, world, tokens, w1, w2, [precision])[precision]
-            if isinstance(layer, str):
+            built = mb.build_ours(api, group, preset, world, tokens, w1, w2, [precision], real=todo[0].real)
+            layer = (ranks.agreed_layers(built) if todo[0].real else built)[precision]
+            if isinstance(layer, str) and writer:
                 print(f"{name}/{precision}/T{tokens}/P{world}: {len(todo)} configurations not built ({layer})",
                       flush=True)
             for c in todo:
@@ -419,7 +472,8 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
                     entries[c.key] = {**base, "status": "failed", "reason": mb._reason(e)}
                 entries[c.key]["wall_s"] = round(clock() - t0, 2)
                 save()
-                print(summary_line(entries[c.key]), flush=True)
+                if writer:
+                    print(summary_line(entries[c.key]), flush=True)
             del layer
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -429,7 +483,8 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
         for entry in entries.values():
             if entry["status"] == "not_run":
                 entry["reason"] = str(e)
-        print(result["stopped"], flush=True)
+        if writer:
+            print(result["stopped"], flush=True)
     finally:
         result["wall_s"] = round(clock() - start, 1)
         save(final=True)
@@ -448,7 +503,8 @@ METHOD = ("one layer per (model, world, tokens, precision); per configuration th
           "calls, then `trials` barrier-aligned CUDA-event trials of both schedules in rotated order (the first "
           "alternates per trial and, in trial 0, per configuration); per trial the max over ranks; the median of "
           "the trials (benchmarks.timing.measure_rounds, order='rotate'); world P > 1: P ranks emulated on one GPU "
-          "with local stores; speedup = T_wave / T_interleaved")
+          "with local stores, or real ranks (world_mode says which; benchmarks/megamoe_ep.py: each rank its slice of "
+          "the P*T tokens, checks the max over ranks); speedup = T_wave / T_interleaved")
 PRECISION_NOTES = {"bf16": "bf16 weights and activations; MegaMoE(dtype=torch.bfloat16)",
                    "w8a8": "e4m3 weights with 128x128 block scales, e4m3 activations per 1x128; MegaMoE(dtype='w8a8'), "
                            "else dtype=torch.float8_e4m3fn",
@@ -496,7 +552,8 @@ def markdown(result: dict) -> str:
     for e in shown:
         routing = e["routing"] + (f" (s = {e['zipf_exponent']:g})" if e.get("zipf_exponent") is not None else "")
         lines.append(f"| {e['model']} | {e['hidden']} / {e['intermediate']} | {e['num_experts']} | {e['top_k']} | "
-                     f"{e['precision']} | {routing} | {e['tokens_per_rank']} | {e['world']} | "
+                     f"{e['precision']} | {routing} | {e['tokens_per_rank']} | "
+                     f"{e['world']}{' (real)' if e.get('ranks') == 'real' else ''} | "
                      f"{_f(e.get('wave', {}).get('us'), 0)} | {_f(e.get('interleaved', {}).get('us'), 0)} | "
                      + (_f(e["speedup"]) if e["status"] == "measured" else f"failed: {e.get('reason')}") + " |")
     why = {}
@@ -558,7 +615,8 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylim(low if n_meas else 0, 1.08 * top)
         ax.set_ylabel("T_wave / T_interleaved")
         skipped = sum(1 for e in confs if e["world"] == w and not e.get("speedup"))
-        mode = "one GPU" if w == 1 else f"P = {w} emulated on one GPU"
+        real = any(e.get("ranks") == "real" for e in confs if e["world"] == w)
+        mode = "one GPU" if w == 1 else f"EP = {w} on {w} GPUs" if real else f"P = {w} emulated on one GPU"
         ax.set_title(f"world {w} ({mode}): {n_meas} measured, {skipped} not (skipped, failed or not run)")
     handles = [Patch(color=colors[d], label=d) for d in PRECISIONS]
     handles += [Patch(facecolor="white", edgecolor="k", hatch=HATCH.get(r, ""), label=r)
@@ -601,7 +659,7 @@ def plan(args, capacity_gb: float | None = None) -> dict:
     def simulate(configs):
         rows, layers, shapes, total = [], set(), set(), EST["startup_s"]
         for c in configs:
-            mem = memory_estimate(c.preset, c.world, c.tokens, args.calls_per_graph)
+            mem = memory_estimate(c.preset, c.world, c.tokens, args.calls_per_graph, c.real)
             why = memory_verdict(mem, capacity)
             secs = 0.0
             if not why:
@@ -642,7 +700,11 @@ def run(args) -> int:
         raise UsageError("--trials and --calls-per-graph must be at least 1")
     if args.replot:
         return replot(args)
-    if args.plan:
+    from benchmarks import megamoe_ep
+
+    if args.plan:  # no GPU needed: a real world is planned as asked (or as the GPUs visible here would run it)
+        args.gpus = _visible_gpus()
+        args.rank_modes = megamoe_ep.rank_modes(args.ranks, args.world, args.gpus, check=False)
         p = plan(args)
         for r in p["configurations"]:
             print(f"{r['key']:40s} {r['memory_gb']:7.1f} GB  " + (r["skip"] or f"~{r['estimated_s']:.1f} s"))
@@ -655,11 +717,26 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         raise UsageError("bench megamoe --matrix needs a CUDA GPU (torch.cuda.is_available() is False); "
                          "--plan and --replot do not")
-    with mb.local_group(args.tmp) as group:
-        result = run_matrix(args, group)
+    args.gpus = torch.cuda.device_count()
+    args.rank_modes = megamoe_ep.rank_modes(args.ranks, args.world, args.gpus)
+    print("ranks: " + ", ".join(f"world {w} {m}" for w, m in args.rank_modes.items()), flush=True)
+    if "real" in args.rank_modes.values():
+        result = megamoe_ep.run_matrix(args)
+    else:
+        with mb.local_group(args.tmp) as group:
+            result = run_matrix(args, group)
     print(f"wrote {args.out}, {args.md}, {args.png}: " + ", ".join(
         f"{n} {v}" for n, v in result["summary"]["counts"].items()), flush=True)
     return 0
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch or no driver: none visible
+        return 0
 
 
 def main(argv=None) -> int:

@@ -15,19 +15,25 @@
 #                   (python -m benchmarks.fused_clocks)
 #   linkpower       board power while remote stores trickle through NVLink (python -m benchmarks.link_power)
 #   dit             the DiT example over 2 ranks (torchrun examples/dit_ulysses.py)
+#   moe             MegaMoE at real EP = 2 (issue 31, items 3-4), in one call (~550 s): the multi-GPU MegaMoE
+#                   test, xstage bench megamoe --world 2 --ranks real (ours beside the NCCL unfused path), the
+#                   --matrix at EP = 2 in what is left (--max-minutes from it; MOE_MATRIX_ARGS="--resume F" or
+#                   "--shapes dsv4-flash" narrows or continues it), auto's regret on the bench; each command
+#                   under its share of the stage's timeout (test 120 s, bench 220 s, auto 20 s, the matrix the
+#                   rest); MOE_ARGS goes to the bench (e.g. "--tokens 4096 --shapes dsv4-flash")
 #   variants NAME   the set in benchmarks/variants/NAME.json (or a path to one) beside FA-only, fused and FA4
 #   pack            every result into $OUT/h200x2_<commit>.tgz (the commit in each name); always runs last
 #   all             info tests calibrate fa dit pack (more than one call: the summary names what is left)
 # Each stage runs under its own timeout (<STAGE>_TIMEOUT) and starts only if that fits what is left of the
 # call (CALL_BUDGET_S, 575 s); the summary names the stages left for the next call. <STAGE>_ARGS appends
 # options to a stage's command (FA_ARGS="--seq-lens 8192", VARIANTS_ARGS="--heads-per-rank 3"). A full run is
-# about four calls (info tests dit; info fa; calibrate; hiding; each with pack). Results: $OUT/h200x2/.
+# about five calls (info tests dit; info fa; calibrate; hiding; moe; each with pack). Results: $OUT/h200x2/.
 # --list prints the stages; DRY_RUN=1 prints every command instead of running it (GPUS=N to pretend N GPUs).
 
 set -euo pipefail
 MACHINE=h200x2
 NOMINAL_GPUS=2
-STAGES=(info tests calibrate fa hiding clocks linkpower dit variants pack all)
+STAGES=(info tests calibrate fa hiding clocks linkpower dit moe variants pack all)
 ALL=(info tests calibrate fa dit pack)
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -65,6 +71,37 @@ stage_linkpower() {
 stage_dit() {
   needs 2 200
   logged torchrun --nproc-per-node 2 examples/dit_ulysses.py --seq-len 8192 "${ARGS[@]}"
+}
+moe_t() {  # T for the stage's next command: $1 s, or what is left of the stage less $2 s if that is less (at
+  # least 1 s); a dry run counts each command as taking its whole timeout
+  local used=$MOE_USED left
+  [ -n "$DRY_RUN" ] || used=$(($(date +%s) - MOE_START))
+  left=$((MOE_TOTAL - used - ${2:-0}))
+  ((left > 1)) || left=1
+  T=$(($1 < left ? $1 : left))
+  MOE_USED=$((MOE_USED + T))
+}
+stage_moe() {  # every command runs even after one fails (the stage then fails); results beside their logs
+  needs 2 550
+  MOE_START=$(date +%s) MOE_TOTAL=$T MOE_USED=0
+  local failed=() mx tenths
+  read -r -a mx <<< "${MOE_MATRIX_ARGS:-}"
+  moe_t 120
+  logged python3 -m pytest -q -rs tests/megamoe/test_megamoe_multigpu.py || failed+=(test)
+  moe_t 220
+  logged "${XSTAGE[@]}" bench megamoe --world 2 --ranks real --replays 6 --out "$W/megamoe_ep2.json" "${ARGS[@]}" \
+    || failed+=(bench)
+  moe_t "$MOE_TOTAL" 20  # the rest but auto's 20 s; --max-minutes leaves 90 s of it (start-up, a layer's compile)
+  tenths=$(((T - 90) / 6))
+  if ((tenths > 0)); then
+    logged "${XSTAGE[@]}" bench megamoe --matrix --world 2 --ranks real --out "$W/megamoe_matrix_ep2.json" \
+      --max-minutes "$((tenths / 10)).$((tenths % 10))" "${mx[@]}" || failed+=(matrix)
+  else echo "no time left for the matrix (${T}s)"
+  fi
+  moe_t 20
+  logged python3 -m benchmarks.megamoe_auto "$W/megamoe_ep2.json" --out "$W/megamoe_ep2_auto_regret.json" \
+    || failed+=(auto)
+  ((${#failed[@]} == 0)) || { echo "moe: failed: ${failed[*]}"; return 1; }
 }
 stage_variants() {  # 8 rounds, 32 adjacent pairs per column, no spans, at 8K/16K/32K
   needs 2 300

@@ -24,8 +24,8 @@ if BASH is None:
 STAGES = {
     "h200.sh": ["info", "tests", "sass", "calibrate", "fa", "clocks", "variants", "compare", "moe", "moedump",
                 "pack", "all"],
-    "h200x2.sh": ["info", "tests", "calibrate", "fa", "hiding", "clocks", "linkpower", "dit", "variants", "pack",
-                  "all"],
+    "h200x2.sh": ["info", "tests", "calibrate", "fa", "hiding", "clocks", "linkpower", "dit", "moe", "variants",
+                  "pack", "all"],
     "h200x8.sh": ["info", "tests", "calibrate", "fa", "dit", "variants", "pack", "all"],
 }
 ALL = {
@@ -55,15 +55,17 @@ def variant_sets() -> list[Path]:
     return sorted(VARIANTS.glob("*.json"))
 
 
-def dry_run(script: str, *words: str, out: Path, gpus: int | None = None) -> subprocess.CompletedProcess:
+def dry_run(script: str, *words: str, out: Path, gpus: int | None = None,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    extra = env or {}
     env = {k: v for k, v in os.environ.items()
            if not (k.endswith(("_ARGS", "_TIMEOUT")) or k in ("GPUS", "CALL_BUDGET_S", "XSTAGE_CMD"))}
     # a multicast switch turned on outside must come out off
-    env.update(DRY_RUN="1", OUT=str(out), XSTAGE_GIT_COMMIT=COMMIT, NCCL_NVLS_ENABLE="1")
+    env.update(DRY_RUN="1", OUT=str(out), XSTAGE_GIT_COMMIT=COMMIT, NCCL_NVLS_ENABLE="1", **extra)
     if gpus is not None:
         env["GPUS"] = str(gpus)
-    return subprocess.run([BASH, str(DEVICE / script), *words], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([BASH, str(DEVICE / script), *words], check=False, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
 
 
 def check_commands(text: str) -> None:
@@ -83,7 +85,7 @@ def check_commands(text: str) -> None:
 @pytest.mark.parametrize("script", sorted(STAGES))
 def test_script_parses_and_lists_its_stages(script, tmp_path):
     for path in (DEVICE / script, DEVICE / "lib.sh"):
-        parsed = subprocess.run([BASH, "-n", str(path)], capture_output=True, text=True)
+        parsed = subprocess.run([BASH, "-n", str(path)], check=False, capture_output=True, text=True)
         assert parsed.returncode == 0, parsed.stderr
     listed = dry_run(script, "--list", out=tmp_path)
     assert listed.returncode == 0, listed.stderr
@@ -91,7 +93,7 @@ def test_script_parses_and_lists_its_stages(script, tmp_path):
     assert 8 <= len(STAGES[script]) <= 12
     usage = dry_run(script, "--help", out=tmp_path).stdout
     for stage in STAGES[script]:  # the header documents every stage
-        assert re.search(rf"^  {stage}\b", usage, re.M), f"{script} --help does not describe {stage}"
+        assert re.search(rf"^  {stage}\b", usage, re.MULTILINE), f"{script} --help does not describe {stage}"
     assert len((DEVICE / script).read_text().splitlines()) <= 150
 
 
@@ -104,6 +106,34 @@ def test_every_stage_dry_runs(script, stage, tmp_path):
     assert f"=== {stage} " in r.stdout
     assert "\n+ " in r.stdout, f"{script} {stage} prints no command:\n{r.stdout}"
     assert f"{stage} rc=0" in r.stdout
+
+
+def test_h200x2_moe_stage_runs_its_four_commands_within_its_timeout(tmp_path):
+    """Issue 31, items 3-4 in one call: the multi-GPU MegaMoE test, the bench at real EP = 2, the matrix at
+    EP = 2 with --max-minutes inside its share, auto's regret on the bench's JSON; the shares add up to the
+    stage's timeout, MOE_ARGS reaches the bench and MOE_MATRIX_ARGS the matrix."""
+    def commands(**env):
+        r = dry_run("h200x2.sh", "moe", out=tmp_path, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "(timeout 550s;" in r.stdout and "moe rc=0" in r.stdout
+        return [shlex.split(line[2:]) for line in r.stdout.splitlines() if line.startswith("+ timeout ")]
+
+    cmds = commands()
+    assert [c[2:5] for c in cmds] == [["python3", "-m", "pytest"], ["python3", "-m", "xstage"],
+                                      ["python3", "-m", "xstage"], ["python3", "-m", "benchmarks.megamoe_auto"]]
+    test, bench, matrix, auto = cmds
+    assert test[-1] == "tests/megamoe/test_megamoe_multigpu.py" and "-rs" in test
+    assert bench[5:7] == ["bench", "megamoe"] and "--matrix" not in bench
+    assert bench[bench.index("--world") + 1] == "2" and bench[bench.index("--ranks") + 1] == "real"
+    assert matrix[5:8] == ["bench", "megamoe", "--matrix"] and matrix[matrix.index("--ranks") + 1] == "real"
+    assert matrix[matrix.index("--world") + 1] == "2"
+    assert auto[5] == bench[bench.index("--out") + 1]  # the regret of this bench's result
+    timeouts = [int(c[1]) for c in cmds]
+    assert sum(timeouts) <= 550, timeouts
+    minutes = float(matrix[matrix.index("--max-minutes") + 1])
+    assert 0 < minutes * 60 <= timeouts[2] - 60, (minutes, timeouts)  # start-up and a layer's compile fit
+    narrowed = commands(MOE_ARGS="--tokens 4096", MOE_MATRIX_ARGS="--shapes dsv4-flash")
+    assert narrowed[1][-2:] == ["--tokens", "4096"] and narrowed[2][-2:] == ["--shapes", "dsv4-flash"]
 
 
 @pytest.mark.parametrize("script", sorted(STAGES))
@@ -121,12 +151,12 @@ def test_all_runs_the_default_order_and_packs_last(script, tmp_path):
     r = dry_run(script, out=tmp_path)  # no stage: all
     assert r.returncode == 0, r.stdout + r.stderr
     check_commands(r.stdout)
-    ran = re.findall(r"^=== (\S+) \d", r.stdout, re.M)
+    ran = re.findall(r"^=== (\S+) \d", r.stdout, re.MULTILINE)
     assert ran == ALL[script]
     assert f"_{COMMIT}.tgz" in r.stdout
     # pack moves to the end even when named first
     again = dry_run(script, "pack", "info", out=tmp_path)
-    assert re.findall(r"^=== (\S+) \d", again.stdout, re.M) == ["info", "pack"]
+    assert re.findall(r"^=== (\S+) \d", again.stdout, re.MULTILINE) == ["info", "pack"]
 
 
 @pytest.mark.parametrize("script", sorted(STAGES))

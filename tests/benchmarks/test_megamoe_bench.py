@@ -14,8 +14,13 @@ import pytest
 import torch
 
 from benchmarks import megamoe as bench
-from benchmarks.moe_baselines import (fp8_grouped_unavailable, fp8_rowwise_weights, sort_by_expert,
-                                      unfused_bf16_moe, unfused_fp8_moe)
+from benchmarks.moe_baselines import (
+    fp8_grouped_unavailable,
+    fp8_rowwise_weights,
+    sort_by_expert,
+    unfused_bf16_moe,
+    unfused_fp8_moe,
+)
 from calibrate.cli import UsageError
 from megamoe.reference import ROUTING_MODES, make_routing, reference_moe
 
@@ -40,7 +45,8 @@ def test_defaults_and_presets():
     assert bench.PRESETS["dit-moe"] == bench.Preset("dit-moe", 1152, 4608, 8, 2)
     assert bench.ROUTINGS == ROUTING_MODES
     assert bench.COLUMNS == ("unfused_bf16", "unfused_fp8", "ours_bf16_wave", "ours_bf16_interleaved",
-                             "ours_fp8_wave", "ours_fp8_interleaved")
+                             "ours_fp8_wave", "ours_fp8_interleaved", "unfused_nccl_bf16", "unfused_nccl_fp8")
+    assert args.ranks is None  # resolved at run time (benchmarks.megamoe_ep.rank_modes)
 
 
 def test_comma_lists():
