@@ -56,7 +56,8 @@ def _run_bench_megamoe(args) -> int:
                         matrix, args)
     import benchmarks.megamoe as megamoe
 
-    return _forward("bench megamoe", "MegaMoE against the unfused paths and the roofline (one GPU)", megamoe, args)
+    return _forward("bench megamoe", "MegaMoE against the unfused paths and the roofline (one GPU, emulated or real "
+                    "ranks)", megamoe, args)
 
 
 def _add_calibrate_and_bench(subparsers) -> None:
@@ -68,7 +69,8 @@ def _add_calibrate_and_bench(subparsers) -> None:
     kinds = bench.add_subparsers(dest="bench", metavar="{flash-a2a,megamoe}", required=True)
     kinds.add_parser("flash-a2a", add_help=False, help="FlashAttention + Ulysses All-to-All (GPUs)").set_defaults(
         func=_run_bench_flash_a2a, forwards=True)
-    kinds.add_parser("megamoe", add_help=False, help="MegaMoE against the unfused paths (one GPU)").set_defaults(
+    kinds.add_parser("megamoe", add_help=False,
+                     help="MegaMoE against the unfused paths (one GPU, or real ranks)").set_defaults(
         func=_run_bench_megamoe, forwards=True)
 
 
