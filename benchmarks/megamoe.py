@@ -519,12 +519,19 @@ def dump_row(ctx, row: dict, index: int, probes: dict, inputs) -> None:
             except Exception as e:  # noqa: BLE001 - recorded in the row
                 row["dump"][name] = {"failed": _reason(e)}
                 continue
-            prefix = f"r{index}.{name}"
-            ctx.dumps.update({f"{prefix}.{k}": v for k, v in arrays.items()})
-            row["dump"][name] = {"key_prefix": prefix, "arrays": dump_summary(arrays)}
-            ctx.dump_entries.append({"row": index, "column": name, "key_prefix": prefix,
-                                     **{k: row[k] for k in ("shape", "world", "tokens_per_rank", "routing", "seed")},
-                                     "arrays": row["dump"][name]["arrays"]})
+            meta = {"row": index, "column": name, "precision": d, "schedule": s,
+                    **{k: row[k] for k in ("shape", "world", "ranks", "tokens_per_rank", "routing", "seed")}}
+            row["dump"][name] = store_dump(ctx.dumps, ctx.dump_entries, f"r{index}.{name}", arrays, meta)
+
+
+def store_dump(dumps: dict, entries: list, prefix: str, arrays: dict, meta: dict) -> dict:
+    """One instrumented launch's records into a dump being built (shared with the matrix's --dump): the arrays
+    into ``dumps`` under <prefix>.<name>, its entry (``meta``, the prefix, what each array is) onto ``entries``;
+    returns what the result file says of it ({"key_prefix", "arrays"})."""
+    dumps.update({f"{prefix}.{k}": v for k, v in arrays.items()})
+    record = {"key_prefix": prefix, "arrays": dump_summary(arrays)}
+    entries.append({**meta, **record})
+    return record
 
 
 def _dump_paths(path: str) -> tuple[str, str]:
@@ -533,7 +540,8 @@ def _dump_paths(path: str) -> tuple[str, str]:
     return stem + ".npz", stem + ".json"
 
 
-def _write_dump(path: str, dumps: dict, entries: list, command: str) -> None:
+def _write_dump(path: str, dumps: dict, entries: list, command: str, extra: dict | None = None) -> None:
+    """FILE.npz (``dumps``) and FILE.json (provenance, the npz's name, ``entries``, and ``extra``'s fields)."""
     import numpy as np
 
     from cute_kernels.runtime import provenance
@@ -543,8 +551,8 @@ def _write_dump(path: str, dumps: dict, entries: list, command: str) -> None:
     np.savez_compressed(npz, **dumps)
     with open(header, "w") as f:
         json.dump({"provenance": provenance(command), "npz": os.path.basename(npz),
-                   "key": "<key_prefix>.<array name>, one prefix per (row, column)", "entries": entries}, f,
-                  indent=1)
+                   "key": "<key_prefix>.<array name>, one prefix per (row, column)", **(extra or {}),
+                   "entries": entries}, f, indent=1)
 
 
 def _argv() -> list[str]:

@@ -1,6 +1,9 @@
 """The per-tile stall test (xstage-paper section 5.2.3, eq. 15, Table 2) and per-SM tile timelines (Figure 9's
-role) from MegaMoE instrumentation dumps (``xstage bench megamoe --dump FILE``: FILE.npz holds
-``r<row>.<column>.<array>``, FILE.json the entries). numpy + matplotlib only, so it runs anywhere.
+role) from MegaMoE instrumentation dumps (``xstage bench megamoe --dump FILE``, or its ``--matrix --dump FILE``:
+FILE.npz holds ``r<row>.<column>.<array>``, FILE.json the entries). numpy + matplotlib only, so it runs anywhere.
+Entries are told apart by shape, tokens per rank, routing, world, rank mode (one GPU, emulated, real) and
+precision (the entry's ``precision``; a dump without it, as the bench wrote before, by its column's
+``ours_<dtype>_<schedule>``), and within those by schedule.
 
 What each dumped timestamp is (megamoe.kernel, ``MegaMoE.last_dump``; written by thread 0, i.e. the first MMA
 warpgroup's view of the tile):
@@ -36,7 +39,9 @@ import numpy as np
 DEFAULT_CLOCK_GHZ = 1.98  # SM clock under load on the H200 (benchmarks.spans); this dump cannot calibrate it
 ARRAYS = ("cta", "slot", "kind", "expert", "m", "n", "sm", "t_entry", "t_data", "t_mma_end", "t_end", "t_rs")
 L1, L2 = 1, 2
-META = ("row", "column", "key_prefix", "shape", "world", "tokens_per_rank", "routing", "seed")
+META = ("row", "column", "key_prefix", "shape", "world", "ranks", "tokens_per_rank", "routing", "zipf_exponent", "seed",
+        "key")
+GROUP = ("shape", "tokens_per_rank", "routing", "world", "ranks", "precision")  # a stall-table row; then schedule
 
 
 class DumpError(ValueError):
@@ -45,9 +50,10 @@ class DumpError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- loading
 def load_dump(json_path: str, npz_path: str | None = None) -> list[dict]:
-    """The dump's entries, each its JSON metadata plus ``dtype`` and ``schedule`` (from the column name
-    ``ours_<dtype>_<schedule>``) and ``arrays`` (name -> numpy array; ``rank`` is added as zeros for a
-    world-1 dump that lacks it). ``npz_path`` defaults to the JSON's ``npz`` name next to the JSON."""
+    """The dump's entries, each its JSON metadata plus ``precision`` (also as ``dtype``) and ``schedule`` (the
+    entry's own, else from the column name ``ours_<dtype>_<schedule>``) and ``arrays`` (name -> numpy array;
+    ``rank`` is added as zeros for a world-1 dump that lacks it). ``npz_path`` defaults to the JSON's ``npz``
+    name next to the JSON."""
     if not os.path.isfile(json_path):
         raise DumpError(f"dump header {json_path!r} not found (the FILE.json written by bench megamoe --dump)")
     with open(json_path) as f:
@@ -69,8 +75,9 @@ def load_dump(json_path: str, npz_path: str | None = None) -> list[dict]:
             rk = f"{prefix}.rank"
             arrays["rank"] = np.asarray(z[rk]) if rk in keys else np.zeros_like(arrays["cta"])
             parts = e["column"].split("_")
-            entries.append({**{k: e.get(k) for k in META}, "dtype": parts[1] if len(parts) == 3 else "?",
-                            "schedule": parts[-1], "arrays": arrays})
+            precision = e.get("precision") or (parts[1] if len(parts) == 3 else "?")
+            entries.append({**{k: e.get(k) for k in META}, "precision": precision, "dtype": precision,
+                            "schedule": e.get("schedule") or parts[-1], "arrays": arrays})
     if not entries:
         raise DumpError(f"{json_path}: no dumped entries")
     return entries
@@ -141,7 +148,7 @@ def entry_summary(entry: dict, clock_ghz: float = DEFAULT_CLOCK_GHZ) -> dict:
     tick = timer_tick_ns(a)
     ep_ns = (a["t_end"] - a["t_mma_end"])[a["kind"] == L2]
     return {
-        **{k: entry[k] for k in ("shape", "tokens_per_rank", "routing", "world", "dtype", "schedule", "column")},
+        **{k: entry.get(k) for k in (*GROUP, "dtype", "schedule", "column")},
         "tiles": int(kind.size), "l1_tiles": int(l1.sum()), "l2_tiles": int(l2.sum()),
         "l1_full_tiles": int((l1 & t["full"]).sum()), "l2_full_tiles": int((l2 & t["full"]).sum()),
         "l2_with_successor": int(t["succ_i"].size), "ctas": int(np.unique(a["rank"] * 4096 + a["cta"]).size),
@@ -195,29 +202,38 @@ def _ranks(x: np.ndarray) -> np.ndarray:
 
 
 def _group(s: dict) -> tuple:
-    return s["shape"], s["tokens_per_rank"], s["routing"], s["world"], s["dtype"]
+    return tuple(s.get(k) for k in GROUP)
+
+
+def world_label(e: dict) -> str:
+    """P<world>, or EP<world> at real ranks (the matrix's key)."""
+    return f"{'EP' if e.get('ranks') == 'real' else 'P'}{e['world']}"
 
 
 def stall_table(entries: list[dict], clock_ghz: float = DEFAULT_CLOCK_GHZ) -> dict:
-    """Every entry's summary, the rows grouped by (shape, tokens, routing, world, dtype) with the schedules side
-    by side and the interleaved/wave T_RS median ratio, and the Spearman correlation of eq. 15's predicted
-    vs the measured successor wait across the entries (medians and means; all, and per schedule)."""
+    """Every entry's summary, the rows grouped by GROUP (shape, tokens, routing, world, rank mode, precision)
+    with the schedules side by side and the interleaved/wave T_RS median ratio, and the Spearman correlation
+    of eq. 15's predicted vs the measured successor wait across the entries (medians and means; all, per
+    schedule and, where the dump holds more than one, per precision)."""
     summaries = [entry_summary(e, clock_ghz) for e in entries]
     rows = {}
     for s in summaries:
         rows.setdefault(_group(s), {})[s["schedule"]] = s
     table = []
     for key, by in rows.items():
-        r = dict(zip(("shape", "tokens_per_rank", "routing", "world", "dtype"), key), schedules=by)
+        r = dict(zip(GROUP, key), dtype=key[GROUP.index("precision")], schedules=by)
         w, i = by.get("wave"), by.get("interleaved")
         r["t_rs_median_int_over_wave"] = (i["t_rs_us"]["median"] / w["t_rs_us"]["median"]
                                           if w and i and w["t_rs_us"]["median"] else None)
         table.append(r)
     corr = {}
+    precisions = list(dict.fromkeys(s["precision"] for s in summaries))
+    subsets = [("all", lambda s: True), *((n, lambda s, n=n: s["schedule"] == n) for n in ("wave", "interleaved")),
+               *((p, lambda s, p=p: s["precision"] == p) for p in (precisions if len(precisions) > 1 else []))]
     for stat in ("median", "mean"):
         corr[stat] = {}
-        for name, sel in (("all", None), ("wave", "wave"), ("interleaved", "interleaved")):
-            ss = [s for s in summaries if sel in (None, s["schedule"]) and s["l2_with_successor"]]
+        for name, sel in subsets:
+            ss = [s for s in summaries if sel(s) and s["l2_with_successor"]]
             corr[stat][name] = {"n": len(ss), "rho": spearman([s["successor"]["pred_dt_us"][stat] for s in ss],
                                                               [s["successor"]["meas_wait_us"][stat] for s in ss])}
     return {"clock_ghz": clock_ghz, "rows": table, "spearman_pred_vs_meas": corr,
@@ -236,7 +252,7 @@ def _f(x, nd=2) -> str:
 
 def stall_markdown(table: dict, title: str = "") -> str:
     """Table 2-style markdown: one line per row, each cell wave / interleaved (us)."""
-    cols = ["shape", "tok/rank", "routing", "P", "L2 tiles w/i", "T_RS med", "T_RS p90", "int/wave", "T_mma L1 full",
+    cols = ["shape", "precision", "tok/rank", "routing", "P", "L2 tiles w/i", "T_RS med", "T_RS p90", "int/wave", "T_mma L1 full",
             "T_mma L2 full", "L2 epilogue", "cover (succ.)", "Δt pred (eq. 15)", "succ. wait meas",
             "MMA idle L2→succ."]
     out = [f"# Per-tile stall test{': ' + title if title else ''}", "",
@@ -250,7 +266,8 @@ def stall_markdown(table: dict, title: str = "") -> str:
 
     for r in table["rows"]:
         out.append("| " + " | ".join([
-            r["shape"], str(r["tokens_per_rank"]), r["routing"], str(r["world"]),
+            r["shape"], str(r["precision"]), str(r["tokens_per_rank"]), r["routing"],
+            str(r["world"]) + (" (real)" if r.get("ranks") == "real" else ""),
             pair(r, lambda s: s["l2_tiles"], 0), pair(r, lambda s: s["t_rs_us"]["median"]),
             pair(r, lambda s: s["t_rs_us"]["p90"]), _f(r["t_rs_median_int_over_wave"], 3),
             pair(r, lambda s: s["mainloop_full_us"]["L1"]["median"]),
@@ -289,27 +306,28 @@ COLORS = {"wave": "tab:red", "interleaved": "tab:blue", L1: "tab:green", L2: "ta
 
 
 def plot_spans(entries: list[dict], png: str, clock_ghz: float = DEFAULT_CLOCK_GHZ, dpi: int = 100) -> None:
-    """Figure 10-style: per shape (rows) and (tokens, routing) (columns) the L2 tiles' T_RS histograms, wave
-    vs interleaved overlaid, their medians marked."""
+    """Figure 10-style: per (shape, precision) (rows) and (tokens, routing, world) (columns) the L2 tiles' T_RS
+    histograms, wave vs interleaved overlaid, their medians marked."""
     plt = _plt()
-    shapes = list(dict.fromkeys(e["shape"] for e in entries))
-    cases = list(dict.fromkeys((e["tokens_per_rank"], e["routing"], e["world"]) for e in entries))
+    shapes = list(dict.fromkeys((e["shape"], e["precision"]) for e in entries))
+    cases = list(dict.fromkeys((e["tokens_per_rank"], e["routing"], world_label(e)) for e in entries))
     fig, axes = plt.subplots(len(shapes), len(cases), figsize=(3.0 * len(cases), 2.3 * len(shapes)),
                              squeeze=False, sharex=True)
     spans = [e["arrays"]["t_rs"][e["arrays"]["kind"] == L2] / (clock_ghz * 1e3) for e in entries]
     hi = max((np.percentile(s, 99.5) for s in spans if s.size), default=1.0)
     bins = np.linspace(0, hi * 1.05, 60)
     for e, s in zip(entries, spans):
-        ax = axes[shapes.index(e["shape"])][cases.index((e["tokens_per_rank"], e["routing"], e["world"]))]
+        ax = axes[shapes.index((e["shape"], e["precision"]))][cases.index((e["tokens_per_rank"], e["routing"],
+                                                                           world_label(e)))]
         c = COLORS.get(e["schedule"], "gray")
         if s.size:
             ax.hist(s, bins=bins, histtype="step", color=c, density=True,
                     label=f"{e['schedule']} (med {np.median(s):.2f})")
             ax.axvline(np.median(s), color=c, ls="--", lw=0.8)
-    for r, shape in enumerate(shapes):
+    for r, (shape, precision) in enumerate(shapes):
         for c, (tok, routing, world) in enumerate(cases):
             ax = axes[r][c]
-            ax.set_title(f"{shape} {tok} tok {routing} P={world}", fontsize=8)
+            ax.set_title(f"{shape} {precision} {tok} tok {routing} {world}", fontsize=8)
             ax.tick_params(labelsize=7)
             if ax.get_legend_handles_labels()[0]:  # a case this shape was not run at stays empty
                 ax.legend(fontsize=6, loc="upper right")
@@ -403,7 +421,7 @@ def plot_timeline(entry: dict, png: str, max_sms: int | None = None, window_us: 
                         Patch(color=COLORS[L2], alpha=0.35, label="L2 epilogue (Combine stores)"),
                         Patch(color="0.6", label="entry wait (t_entry..t_data)")],
                loc="upper right", ncol=5, fontsize=7)
-    fig.suptitle(f"{entry['shape']} {entry['tokens_per_rank']} tok/rank {entry['routing']} P={entry['world']} "
+    fig.suptitle(f"{entry['shape']} {entry['tokens_per_rank']} tok/rank {entry['routing']} {world_label(entry)} "
                  f"{entry['column']}: {span:.0f} µs", fontsize=9, x=0.3)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(png, dpi=dpi)
@@ -412,18 +430,20 @@ def plot_timeline(entry: dict, png: str, max_sms: int | None = None, window_us: 
 
 # ---------------------------------------------------------------------------------------------- CLI
 def timeline_entries(entries: list[dict], every: bool = False) -> list[dict]:
-    """Which entries get a timeline: all, or per shape its skewed (else first) routing at the most tokens,
-    both schedules (the paper's Figure 9 shows where bursts matter most)."""
+    """Which entries get a timeline: all, or per shape its first precision (bf16 where there), skewed (else
+    first) routing, at the most tokens and the largest world, both schedules (the paper's Figure 9 shows where
+    bursts matter most)."""
     if every:
         return list(entries)
     picked = []
     for shape in dict.fromkeys(e["shape"] for e in entries):
         mine = [e for e in entries if e["shape"] == shape]
+        precision = "bf16" if any(e["precision"] == "bf16" for e in mine) else mine[0]["precision"]
+        mine = [e for e in mine if e["precision"] == precision]
         routing = "skewed" if any(e["routing"] == "skewed" for e in mine) else mine[0]["routing"]
         mine = [e for e in mine if e["routing"] == routing]
-        tok = max(e["tokens_per_rank"] for e in mine)
-        world = max(e["world"] for e in mine)
-        picked += [e for e in mine if e["tokens_per_rank"] == tok and e["world"] == world]
+        best = max((e["world"], e["tokens_per_rank"]) for e in mine)  # a pair that was dumped (a run may stop)
+        picked += [e for e in mine if (e["world"], e["tokens_per_rank"]) == best]
     return picked
 
 
@@ -457,7 +477,8 @@ def main(argv=None) -> int:
     plot_spans(entries, out("spans.png"), args.clock_ghz)
     written = [out("stall.json"), out("stall.md"), out("spans.png")]
     for e in timeline_entries(entries, args.all_timelines):
-        png = out(f"timeline_{e['shape']}_{e['tokens_per_rank']}_{e['routing']}_{e['schedule']}.png")
+        png = out(f"timeline_{e['shape']}_{e['precision']}_{e['tokens_per_rank']}_{e['routing']}_{world_label(e)}_"
+                  f"{e['schedule']}.png")
         plot_timeline(e, png, max_sms=args.max_sms)
         written.append(png)
     print("\n".join(written))

@@ -227,9 +227,19 @@ class GatheredProbe:
         return self.layer.forward(x, idx, wts, schedule=schedule)
 
     def last_dump(self) -> dict:
+        """Collective: every rank's records, or the same RuntimeError on every rank where one rank's failed."""
         import numpy as np
 
-        dumps = self.ranks.gather(self.layer.last_dump())
+        from benchmarks import megamoe as mb
+
+        try:
+            mine = self.layer.last_dump()
+        except Exception as e:  # noqa: BLE001 - sent to every rank, so none waits in the gather alone
+            mine = mb._reason(e)
+        dumps = self.ranks.gather(mine)
+        bad = [(r, d) for r, d in enumerate(dumps) if isinstance(d, str)]
+        if bad:
+            raise RuntimeError(one_reason(bad, len(dumps)))
         out = {k: np.concatenate([np.asarray(d[k]) for d in dumps]) for k in dumps[0]}
         out["rank"] = np.concatenate([np.full(len(np.asarray(next(iter(d.values()), []))), r)
                                       for r, d in enumerate(dumps)])

@@ -31,7 +31,9 @@ by model, precision, routing, world, tokens) and --png (Figure 8-style bars). Th
 every configuration; --max-minutes stops before a configuration that would end past the limit (estimated),
 keeping what ran; --resume FILE keeps FILE's measured configurations and runs the rest; --plan prints the
 configurations, the memory verdicts and the time estimate without a GPU; --replot FILE rewrites --md and
---png from a result file.
+--png from a result file. --dump FILE (opt-in): per layer, after its timed configurations, the instrumented
+layer (benchmarks/megamoe_matrix_dump.py says how) and per measured configuration one instrumented launch per
+schedule, FILE.npz + FILE.json as bench megamoe --dump writes them, read by benchmarks/megamoe_analysis.py.
 Time on one H200 (--plan, at bf16 rates, which bound the quantized kernels from above): the default matrix is
 168 configurations, ~3 min of device work per precision plus ~45 s start-up: one 10-minute device call for
 bf16 and w8a8 (w4a8 skipped in moments while the API lacks it), two for all three: --max-minutes 8.5, then
@@ -63,7 +65,7 @@ RESERVE_GB = 4.0  # CUDA context, cuBLAS workspace, allocator slack
 # The time model's rates (conservative for bf16 on one H200: ours reached 336-511 TFLOP/s at 8192 tokens at
 # 23d93b3; the small-token rows are weight-bound), and the fixed costs of a run.
 EST = {"tflops": 330.0, "hbm_tb_s": 3.6, "reference_tflops": 20.0, "startup_s": 45.0, "layer_s": 3.0,
-       "config_s": 0.5, "weights_s_per_gb": 0.02}
+       "config_s": 0.5, "weights_s_per_gb": 0.02, "dump_s": 0.5}  # dump_s: a configuration's records to the host
 KIND = "xstage megamoe matrix"
 
 
@@ -106,6 +108,10 @@ def add_arguments(p) -> None:
                    help=f"the GPU memory a configuration must fit (default: the GPU's; {H200_GB:g} with no GPU)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, inputs and routing (as bench megamoe)")
     p.add_argument("--tmp", default="/tmp", help="where the one-rank process group's rendezvous file goes")
+    p.add_argument("--dump", default=None, metavar="FILE",
+                   help="per-tile records of every measured configuration, one instrumented launch per schedule: "
+                        "FILE.npz and FILE.json (python -m benchmarks.megamoe_analysis FILE.json); costs a second "
+                        "compile per layer")
     p.add_argument("--plan", action="store_true",
                    help="print the configurations, memory verdicts and estimated time; no GPU, nothing written")
     p.add_argument("--replot", default=None, metavar="JSON", help="rewrite --md and --png from a result file")
@@ -198,20 +204,23 @@ def kernel_seconds(preset: mb.Preset, world: int, tokens: int, real: bool = Fals
                / share / (EST["hbm_tb_s"] * 1e12))
 
 
-def config_seconds(cfg: Config, trials: int, calls: int) -> float:
-    """One configuration: inputs, the fp32 reference, both schedules' eager call, capture warm-up and trials."""
+def config_seconds(cfg: Config, trials: int, calls: int, dump: bool = False) -> float:
+    """One configuration: inputs, the fp32 reference, both schedules' eager call, capture warm-up and trials;
+    ``dump``: its inputs again, an instrumented launch per schedule and its records to the host."""
     from benchmarks.moe_baselines import moe_flops
 
     mine = cfg.tokens if cfg.real else cfg.world * cfg.tokens  # the reference's tokens on one GPU
     ref = moe_flops(cfg.preset, mine * cfg.preset.top_k) / (EST["reference_tflops"] * 1e12)
-    return EST["config_s"] + ref + len(SCHEDULES) * (2 + trials * calls) * kernel_seconds(cfg.preset, cfg.world,
-                                                                                          cfg.tokens, cfg.real)
+    launches = len(SCHEDULES) * (2 + trials * calls + (1 if dump else 0))
+    return (EST["config_s"] + ref + (EST["dump_s"] if dump else 0.0)
+            + launches * kernel_seconds(cfg.preset, cfg.world, cfg.tokens, cfg.real))
 
 
-def setup_seconds(cfg: Config, new_shape: bool) -> float:
-    """Building the layer (compile, buffers, weight transform), and the model's weights where they are new."""
+def setup_seconds(cfg: Config, new_shape: bool, dump: bool = False) -> float:
+    """Building the layer (compile, buffers, weight transform), with ``dump`` its instrumented twin too (a
+    second compile), and the model's weights where they are new."""
     gb = cfg.preset.num_experts * 3 * cfg.preset.hidden * cfg.preset.intermediate * 2 / 1e9
-    return EST["layer_s"] + (0.5 + EST["weights_s_per_gb"] * gb if new_shape else 0.0)
+    return EST["layer_s"] * (2 if dump else 1) + (0.5 + EST["weights_s_per_gb"] * gb if new_shape else 0.0)
 
 
 # --- statistics -----------------------------------------------------------------------------------------------
@@ -278,14 +287,12 @@ def describe(cfg: Config) -> dict:
             "tokens": cfg.world * cfg.tokens}
 
 
-def measure_config(ctx, cfg: Config, layer, w1, w2, index: int) -> dict:
-    """One configuration: seeded inputs (the seeds of bench megamoe's rows: the same x and routing for every
-    precision), both schedules through megamoe.run_columns, the speedup. At real ranks (ctx.ranks) this rank
-    computes its slice of the P*T tokens, every rank's check is kept (the max over ranks) and the per-rank
-    routing is recorded (benchmarks.megamoe_ep.ep_stats)."""
+def config_inputs(ctx, cfg: Config) -> tuple:
+    """(x, topk_idx, topk_weights, seed, routing stats) of a configuration: the seeds of bench megamoe's rows
+    (the same x and routing for every precision); at real ranks (ctx.ranks) this rank's slice of the P*T
+    tokens, the per-rank routing in the stats (benchmarks.megamoe_ep.ep_stats)."""
     import torch
 
-    from benchmarks.timing import round_order
     from megamoe.reference import make_routing, routing_stats
 
     p, total = cfg.preset, cfg.world * cfg.tokens
@@ -302,6 +309,16 @@ def measure_config(ctx, cfg: Config, layer, w1, w2, index: int) -> dict:
         stats.update(ep_stats(idx, p.num_experts, cfg.world))
         mine = slice(ranks.rank * cfg.tokens, (ranks.rank + 1) * cfg.tokens)
         x, idx, wts = (a[mine].clone() for a in (x, idx, wts))
+    return x, idx, wts, seed, stats
+
+
+def measure_config(ctx, cfg: Config, layer, w1, w2, index: int) -> dict:
+    """One configuration: its inputs (config_inputs), both schedules through megamoe.run_columns, the speedup;
+    at real ranks every rank's check is kept (the max over ranks)."""
+    from benchmarks.timing import round_order
+
+    x, idx, wts, seed, stats = config_inputs(ctx, cfg)
+    ranks = ctx.ranks if cfg.real else None
     refs = {}
 
     def reference(_name):  # one per configuration, for both schedules
@@ -397,13 +414,19 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
                        "routing": args.routing, "skew": args.skew, "tokens": args.tokens, "world": args.world,
                        "trials": args.trials, "calls_per_graph": args.calls_per_graph, "seed": args.seed,
                        "max_minutes": args.max_minutes, "resume": args.resume,
-                       "ranks": getattr(args, "ranks", None)},
+                       "ranks": getattr(args, "ranks", None), "dump": getattr(args, "dump", None)},
               **ranks_record(getattr(args, "ranks", None),
                              getattr(args, "rank_modes", None) or {w: "one GPU" if w == 1 else "emulated"
                                                                    for w in args.world},
                              getattr(args, "gpus", None)),
               "capacity_gb": capacity, "api_unavailable": api[1],
               "resumed": phase["resumed"] if phase is not None else len(kept), "stopped": None}
+
+    dumper = None
+    if getattr(args, "dump", None):
+        from benchmarks.megamoe_matrix_dump import MatrixDump
+
+        dumper = MatrixDump(args.dump, writer, resume=phase is not None or bool(args.resume))
 
     def save(final=False):
         if not writer:
@@ -414,6 +437,8 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
         if final:
             write_markdown(result, args.md)
             plot(result, args.png)
+            if dumper is not None:
+                dumper.write(result["provenance"].get("command") or KIND, args.out)
 
     def budget(seconds: float, what: str):
         over = args.max_minutes is not None and clock() - start + seconds > args.max_minutes * 60
@@ -441,9 +466,9 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
                                       "memory": mem}
                 save()
                 continue
-            budget(setup_seconds(todo[0], name not in done_shapes) + config_seconds(todo[0], args.trials,
-                                                                                   args.calls_per_graph),
-                   todo[0].key)
+            dump = dumper is not None
+            budget(setup_seconds(todo[0], name not in done_shapes, dump)
+                   + config_seconds(todo[0], args.trials, args.calls_per_graph, dump), todo[0].key)
             if name not in done_shapes:
                 w1 = w2 = None
                 if torch.cuda.is_available():
@@ -452,19 +477,25 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
                 done_shapes = {name}
             built = mb.build_ours(api, group, preset, world, tokens, w1, w2, [precision], real=todo[0].real)
             layer = (ranks.agreed_layers(built) if todo[0].real else built)[precision]
+            del built  # the layer's only other reference: freed before the instrumented one is built
+            measured, stop = [], None
             if isinstance(layer, str) and writer:
                 print(f"{name}/{precision}/T{tokens}/P{world}: {len(todo)} configurations not built ({layer})",
                       flush=True)
             for c in todo:
                 index = configs.index(c)
                 base = {**describe(c), "memory": mem, "run": run_index,
-                        "estimated_s": round(config_seconds(c, args.trials, args.calls_per_graph), 2)}
+                        "estimated_s": round(config_seconds(c, args.trials, args.calls_per_graph, dump), 2)}
                 if isinstance(layer, str):
                     kind = "api" if api[0] is None else ("precision" if precision != "bf16" else None)
                     entries[c.key] = {**base, "status": "skipped" if kind else "failed", "reason": layer,
                                       **({"skip_kind": kind} if kind else {})}
                     continue
-                budget(config_seconds(c, args.trials, args.calls_per_graph), c.key)
+                try:
+                    budget(config_seconds(c, args.trials, args.calls_per_graph, dump), c.key)
+                except _OutOfTime as e:  # the configurations measured so far are still dumped (budgeted)
+                    stop = e
+                    break
                 t0 = clock()
                 try:
                     entries[c.key] = {**base, **measure_config(ctx, c, layer, w1, w2, index)}
@@ -474,10 +505,16 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
                 save()
                 if writer:
                     print(summary_line(entries[c.key]), flush=True)
+                if entries[c.key]["status"] == "measured":
+                    measured.append((c, index))
             del layer
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+            if dumper is not None and measured:
+                dumper.dump_layer(ctx, api, group, measured, w1, w2, entries)
             save()
+            if stop is not None:
+                raise stop
     except _OutOfTime as e:
         result["stopped"] = str(e)
         for entry in entries.values():
@@ -652,11 +689,13 @@ def plot(result: dict, path: str) -> None:
 def plan(args, capacity_gb: float | None = None) -> dict:
     """What a run would do: per configuration its memory verdict and estimated seconds (its layer's and its
     model's weights' setup counted with the first configuration that needs them); the total with every
-    precision running, and each precision's run alone, start-up included in each."""
+    precision running, and each precision's run alone, start-up included in each; with --dump, what dumping
+    adds to the whole ("dump": the instrumented layers' compiles and launches)."""
     resolve(args)
     capacity = capacity_gb or args.memory_gb or H200_GB
+    dumping = bool(getattr(args, "dump", None))
 
-    def simulate(configs):
+    def simulate(configs, dump=dumping):
         rows, layers, shapes, total = [], set(), set(), EST["startup_s"]
         for c in configs:
             mem = memory_estimate(c.preset, c.world, c.tokens, args.calls_per_graph, c.real)
@@ -665,10 +704,10 @@ def plan(args, capacity_gb: float | None = None) -> dict:
             if not why:
                 layer = (c.preset.name, c.world, c.tokens, c.precision)
                 if layer not in layers:
-                    secs += setup_seconds(c, c.preset.name not in shapes)
+                    secs += setup_seconds(c, c.preset.name not in shapes, dump)
                     layers.add(layer)
                     shapes.add(c.preset.name)
-                secs += config_seconds(c, args.trials, args.calls_per_graph)
+                secs += config_seconds(c, args.trials, args.calls_per_graph, dump)
             total += secs
             rows.append({"key": c.key, "memory_gb": mem["total"], "skip": why, "estimated_s": round(secs, 2)})
         return rows, total
@@ -676,7 +715,8 @@ def plan(args, capacity_gb: float | None = None) -> dict:
     configs = configurations(args)
     rows, total = simulate(configs)
     alone = {d: round(simulate([c for c in configs if c.precision == d])[1]) for d in args.precision}
-    return {"capacity_gb": capacity, "configurations": rows, "estimated_s": {"all": round(total), **alone}}
+    extra = {"dump": round(total - simulate(configs, False)[1])} if dumping else {}
+    return {"capacity_gb": capacity, "configurations": rows, "estimated_s": {"all": round(total), **alone, **extra}}
 
 
 def replot(args) -> int:
@@ -709,8 +749,10 @@ def run(args) -> int:
         for r in p["configurations"]:
             print(f"{r['key']:40s} {r['memory_gb']:7.1f} GB  " + (r["skip"] or f"~{r['estimated_s']:.1f} s"))
         alone = ", ".join(f"{d} alone {p['estimated_s'][d]} s" for d in args.precision)
+        dump = (f"; --dump adds {p['estimated_s']['dump']} s of it (an instrumented layer per layer, an "
+                "instrumented launch per schedule and configuration)" if "dump" in p["estimated_s"] else "")
         print(f"capacity {p['capacity_gb']:.1f} GB; estimated {p['estimated_s']['all']} s in all ({alone}; start-up "
-              f"{EST['startup_s']:g} s included in each; at bf16 rates, an upper bound for w8a8 and w4a8)")
+              f"{EST['startup_s']:g} s included in each; at bf16 rates, an upper bound for w8a8 and w4a8{dump})")
         return 0
     import torch
 

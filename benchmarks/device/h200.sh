@@ -15,8 +15,8 @@
 #                   prepare .oldtree here with --prepare COMMIT and carry it)
 #   moe             xstage bench megamoe, every column (bf16 and W8A8, both orders, the unfused paths), then
 #                   schedule="auto"'s regret on it (python -m benchmarks.megamoe_auto)
-#   moedump         an instrumented emulated-P = 2 run at 8192 tokens, its stall test and timelines
-#                   (python -m benchmarks.megamoe_analysis)
+#   moedump         the matrix with --dump at emulated P = 2, 8192 tokens (dsv4-flash, qwen3-moe, dit-moe; bf16
+#                   and W8A8; --max-minutes 3), then its stall test, spans and timelines (benchmarks.megamoe_analysis)
 #   pack            every result into $OUT/h200_<commit>.tgz (the commit in each name); always runs last
 #   all             info tests sass calibrate fa pack
 # Each stage runs under its own timeout (<STAGE>_TIMEOUT) and starts only if that fits what is left of the
@@ -72,12 +72,16 @@ stage_moe() {  # 36 rows x 6 columns; the regret tool needs no GPU
   logged "${XSTAGE[@]}" bench megamoe --replays 6 --out "$W/megamoe.json" "${ARGS[@]}"
   logged python3 -m benchmarks.megamoe_auto "$W/megamoe.json" --out "$W/megamoe_auto_regret.json"
 }
-stage_moedump() {
-  needs 1 240
-  logged "${XSTAGE[@]}" bench megamoe --world 2 --tokens 8192 --replays 4 --dump "$W/megamoe_dump" \
-    --columns ours_bf16_wave,ours_bf16_interleaved,ours_fp8_wave,ours_fp8_interleaved --out "$W/megamoe_dump_rows.json" \
-    "${ARGS[@]}"
+stage_moedump() {  # the matrix (~100 s planned with its dump) under T less the analysis' 60 s
+  needs 1 300
+  local t=$T
+  T=$((t - 60))
+  logged "${XSTAGE[@]}" bench megamoe --matrix --world 2 --ranks emulated --tokens 8192 \
+    --shapes dsv4-flash,qwen3-moe,dit-moe --precision bf16,w8a8 --trials 5 --max-minutes 3 \
+    --out "$W/megamoe_dump_matrix.json" --dump "$W/megamoe_dump" "${ARGS[@]}"
+  T=60
   logged python3 -m benchmarks.megamoe_analysis "$W/megamoe_dump.json" --out-dir "$W"
+  keep_out_of_pack "$W/megamoe_dump.npz"
 }
 
 main "$@"

@@ -17,10 +17,11 @@
 #   dit             the DiT example over 2 ranks (torchrun examples/dit_ulysses.py)
 #   moe             MegaMoE at real EP = 2 (issue 31, items 3-4), in one call (~550 s): the multi-GPU MegaMoE
 #                   test, xstage bench megamoe --world 2 --ranks real (ours beside the NCCL unfused path), the
-#                   --matrix at EP = 2 in what is left (--max-minutes from it; MOE_MATRIX_ARGS="--resume F" or
-#                   "--shapes dsv4-flash" narrows or continues it), auto's regret on the bench; each command
-#                   under its share of the stage's timeout (test 120 s, bench 220 s, auto 20 s, the matrix the
-#                   rest); MOE_ARGS goes to the bench (e.g. "--tokens 4096 --shapes dsv4-flash")
+#                   --matrix at EP = 2 with --dump in what is left (--max-minutes from it; MOE_MATRIX_ARGS=
+#                   "--resume F" or "--shapes dsv4-flash" narrows or continues it), the stall test, spans and
+#                   timelines of its dump (python -m benchmarks.megamoe_analysis), auto's regret on the bench;
+#                   each command under its share of the stage's timeout (test 120 s, bench 220 s, analysis 40 s,
+#                   auto 20 s, the matrix the rest); MOE_ARGS goes to the bench (e.g. "--tokens 4096")
 #   variants NAME   the set in benchmarks/variants/NAME.json (or a path to one) beside FA-only, fused and FA4
 #   pack            every result into $OUT/h200x2_<commit>.tgz (the commit in each name); always runs last
 #   all             info tests calibrate fa dit pack (more than one call: the summary names what is left)
@@ -91,13 +92,18 @@ stage_moe() {  # every command runs even after one fails (the stage then fails);
   moe_t 220
   logged "${XSTAGE[@]}" bench megamoe --world 2 --ranks real --replays 6 --out "$W/megamoe_ep2.json" "${ARGS[@]}" \
     || failed+=(bench)
-  moe_t "$MOE_TOTAL" 20  # the rest but auto's 20 s; --max-minutes leaves 90 s of it (start-up, a layer's compile)
-  tenths=$(((T - 90) / 6))
+  moe_t "$MOE_TOTAL" 60  # the rest but the analysis' 40 s and auto's 20 s; --max-minutes leaves 90 s of it
+  tenths=$(((T - 90) / 6))  # (start-up, a layer's compile); the dump's compiles and launches are in its estimate
   if ((tenths > 0)); then
     logged "${XSTAGE[@]}" bench megamoe --matrix --world 2 --ranks real --out "$W/megamoe_matrix_ep2.json" \
-      --max-minutes "$((tenths / 10)).$((tenths % 10))" "${mx[@]}" || failed+=(matrix)
+      --dump "$W/megamoe_matrix_ep2_dump" --max-minutes "$((tenths / 10)).$((tenths % 10))" "${mx[@]}" \
+      || failed+=(matrix)
   else echo "no time left for the matrix (${T}s)"
   fi
+  moe_t 40
+  logged python3 -m benchmarks.megamoe_analysis "$W/megamoe_matrix_ep2_dump.json" --out-dir "$W" \
+    || failed+=(analysis)
+  keep_out_of_pack "$W/megamoe_matrix_ep2_dump.npz"
   moe_t 20
   logged python3 -m benchmarks.megamoe_auto "$W/megamoe_ep2.json" --out "$W/megamoe_ep2_auto_regret.json" \
     || failed+=(auto)

@@ -50,6 +50,18 @@ logged() {
   [ -n "$DRY_RUN" ] && return 0
   timeout -k 5 "$T" "$@" 2>&1 | tee -a "$LOG"
 }
+# keep_out_of_pack FILE: a FILE over PACK_FILE_MB MiB (default 8; a call brings back files of 16 MiB at most,
+# the pack's included) is moved to $UNPACKED_DIR (/tmp/xstage-unpacked: left on the machine, not packed).
+keep_out_of_pack() {
+  local mb=${PACK_FILE_MB:-8} dest=${UNPACKED_DIR:-/tmp/xstage-unpacked} size
+  show keep_out_of_pack "$1" "(over ${mb} MiB: to $dest/)"
+  [ -n "$DRY_RUN" ] && return 0
+  [ -f "$1" ] || return 0
+  size=$(($(stat -c %s "$1") / 1048576))
+  ((size > mb)) || return 0
+  mkdir -p "$dest" && mv "$1" "$dest/"
+  echo "$1: ${size} MiB, over ${mb} MiB: moved to $dest/ (not packed)" | tee -a "$LOG"
+}
 variants_file() {  # NAME or a path -> the variant-set file
   if [ -f "$1" ]; then echo "$1"; else echo "benchmarks/variants/$1.json"; fi
 }

@@ -108,10 +108,11 @@ def test_every_stage_dry_runs(script, stage, tmp_path):
     assert f"{stage} rc=0" in r.stdout
 
 
-def test_h200x2_moe_stage_runs_its_four_commands_within_its_timeout(tmp_path):
+def test_h200x2_moe_stage_runs_its_five_commands_within_its_timeout(tmp_path):
     """Issue 31, items 3-4 in one call: the multi-GPU MegaMoE test, the bench at real EP = 2, the matrix at
-    EP = 2 with --max-minutes inside its share, auto's regret on the bench's JSON; the shares add up to the
-    stage's timeout, MOE_ARGS reaches the bench and MOE_MATRIX_ARGS the matrix."""
+    EP = 2 with --dump and --max-minutes inside its share, the analysis of that dump, auto's regret on the
+    bench's JSON; the shares add up to the stage's timeout, MOE_ARGS reaches the bench and MOE_MATRIX_ARGS
+    the matrix; the dump's arrays stay out of the pack when large."""
     def commands(**env):
         r = dry_run("h200x2.sh", "moe", out=tmp_path, env=env)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -120,8 +121,11 @@ def test_h200x2_moe_stage_runs_its_four_commands_within_its_timeout(tmp_path):
 
     cmds = commands()
     assert [c[2:5] for c in cmds] == [["python3", "-m", "pytest"], ["python3", "-m", "xstage"],
-                                      ["python3", "-m", "xstage"], ["python3", "-m", "benchmarks.megamoe_auto"]]
-    test, bench, matrix, auto = cmds
+                                      ["python3", "-m", "xstage"], ["python3", "-m", "benchmarks.megamoe_analysis"],
+                                      ["python3", "-m", "benchmarks.megamoe_auto"]]
+    test, bench, matrix, analysis, auto = cmds
+    dump = matrix[matrix.index("--dump") + 1]
+    assert analysis[5] == dump + ".json" and analysis[analysis.index("--out-dir") + 1].endswith("/h200x2")
     assert test[-1] == "tests/megamoe/test_megamoe_multigpu.py" and "-rs" in test
     assert bench[5:7] == ["bench", "megamoe"] and "--matrix" not in bench
     assert bench[bench.index("--world") + 1] == "2" and bench[bench.index("--ranks") + 1] == "real"
@@ -132,8 +136,22 @@ def test_h200x2_moe_stage_runs_its_four_commands_within_its_timeout(tmp_path):
     assert sum(timeouts) <= 550, timeouts
     minutes = float(matrix[matrix.index("--max-minutes") + 1])
     assert 0 < minutes * 60 <= timeouts[2] - 60, (minutes, timeouts)  # start-up and a layer's compile fit
+    r = dry_run("h200x2.sh", "moe", out=tmp_path)
+    assert f"+ keep_out_of_pack {dump}.npz" in r.stdout
     narrowed = commands(MOE_ARGS="--tokens 4096", MOE_MATRIX_ARGS="--shapes dsv4-flash")
     assert narrowed[1][-2:] == ["--tokens", "4096"] and narrowed[2][-2:] == ["--shapes", "dsv4-flash"]
+
+
+def test_h200_moedump_runs_the_matrix_with_dump_then_its_analysis(tmp_path):
+    r = dry_run("h200.sh", "moedump", out=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cmds = [shlex.split(line[2:]) for line in r.stdout.splitlines() if line.startswith("+ timeout ")]
+    (matrix, analysis) = cmds
+    assert matrix[5:8] == ["bench", "megamoe", "--matrix"] and matrix[matrix.index("--world") + 1] == "2"
+    assert analysis[3:5] == ["-m", "benchmarks.megamoe_analysis"]
+    assert analysis[5] == matrix[matrix.index("--dump") + 1] + ".json"
+    assert int(matrix[1]) + int(analysis[1]) <= 300 and float(matrix[matrix.index("--max-minutes") + 1]) * 60 < int(
+        matrix[1])
 
 
 @pytest.mark.parametrize("script", sorted(STAGES))

@@ -154,7 +154,45 @@ def test_stall_table_groups_schedules_and_markdown(tmp_path):
     corr = table["spearman_pred_vs_meas"]
     assert corr["mean"]["all"]["n"] == 4 and corr["median"]["wave"]["n"] == 2
     md = ma.stall_markdown(table, "t")
-    assert "| tiny | 64 | skewed | 2 |" in md and "ρ" in md and "t_entry" in md
+    assert "| tiny | bf16 | 64 | skewed | 2 |" in md and "ρ" in md and "t_entry" in md
+    assert table["rows"][0]["precision"] == table["rows"][0]["dtype"] == "bf16"  # from the column (an old dump)
+    assert set(corr["mean"]) == {"all", "wave", "interleaved"}  # one precision: no per-precision ρ
+
+
+def test_precisions_and_rank_modes_are_kept_apart(tmp_path):
+    """A matrix dump names its precision (w8a8's column is ours_w8a8_*) and rank mode: the same shape, tokens,
+    routing and world at two precisions, or emulated and real, are rows of their own; per-precision ρ."""
+    arrays, entries = {}, []
+    cases = (("bf16", "emulated", 1.0), ("w8a8", "emulated", 0.5), ("bf16", "real", 3.0))
+    for row, (precision, ranks, scale) in enumerate(cases):
+        for schedule in ("wave", "interleaved"):
+            prefix = f"r{row}.ours_{precision}_{schedule}"
+            arrays.update({f"{prefix}.{k}": v for k, v in synthetic(schedule, scale=scale).items()})
+            entries.append({"row": row, "column": f"ours_{precision}_{schedule}", "key_prefix": prefix,
+                            "shape": "tiny", "world": 2, "ranks": ranks, "tokens_per_rank": 64, "routing": "skewed",
+                            "zipf_exponent": 1.2, "seed": 1, "precision": precision, "schedule": schedule,
+                            "key": f"tiny/{precision}/skewed@1.2/T64/{'EP' if ranks == 'real' else 'P'}2"})
+    np.savez_compressed(tmp_path / "m.npz", **arrays)
+    (tmp_path / "m.json").write_text(json.dumps({"npz": "m.npz", "entries": entries}))
+    loaded = ma.load_dump(str(tmp_path / "m.json"))
+    assert [(e["precision"], e["ranks"], e["key"].split("/")[-1]) for e in loaded][::2] == [
+        ("bf16", "emulated", "P2"), ("w8a8", "emulated", "P2"), ("bf16", "real", "EP2")]
+    table = ma.stall_table(loaded, CLOCK)
+    assert [(r["precision"], r["ranks"], sorted(r["schedules"])) for r in table["rows"]] == [
+        (p, m, ["interleaved", "wave"]) for p, m, _ in cases]
+    t_rs = [r["schedules"]["wave"]["t_rs_us"]["median"] for r in table["rows"]]
+    assert t_rs == pytest.approx([2.0, 1.0, 6.0], rel=1e-3)  # each row its own entry's spans
+    assert table["spearman_pred_vs_meas"]["median"]["w8a8"]["n"] == 2
+    assert table["spearman_pred_vs_meas"]["median"]["bf16"]["n"] == 4
+    md = ma.stall_markdown(table)
+    assert "| tiny | w8a8 | 64 | skewed | 2 |" in md and "| tiny | bf16 | 64 | skewed | 2 (real) |" in md
+    out = tmp_path / "out"
+    assert ma.main([str(tmp_path / "m.json"), "--out-dir", str(out), "--all-timelines"]) == 0
+    names = sorted(n for n in os.listdir(out) if n.startswith("m_timeline_"))
+    assert len(names) == 6 and "m_timeline_tiny_w8a8_64_skewed_P2_wave.png" in names
+    assert "m_timeline_tiny_bf16_64_skewed_EP2_interleaved.png" in names
+    # by default per shape one precision (bf16), its largest world: both of its rank modes' P2 here
+    assert ma.timeline_entries(loaded) == [e for e in loaded if e["precision"] == "bf16"]
 
 
 def test_plots_and_cli(tmp_path):
@@ -170,7 +208,7 @@ def test_plots_and_cli(tmp_path):
     names = sorted(os.listdir(out))
     assert "x_stall.json" in names and "x_stall.md" in names and "x_spans.png" in names
     assert [n for n in names if n.startswith("x_timeline_")] == [  # per shape its skewed (else first) routing
-        "x_timeline_small_64_balanced_interleaved.png", "x_timeline_small_64_balanced_wave.png",
-        "x_timeline_tiny_64_skewed_interleaved.png", "x_timeline_tiny_64_skewed_wave.png"]
+        "x_timeline_small_bf16_64_balanced_P2_interleaved.png", "x_timeline_small_bf16_64_balanced_P2_wave.png",
+        "x_timeline_tiny_bf16_64_skewed_P2_interleaved.png", "x_timeline_tiny_bf16_64_skewed_P2_wave.png"]
     saved = json.loads((out / "x_stall.json").read_text())
     assert saved["clock_ghz"] == 2 and saved["provenance"] == {"git_commit": "test"} and len(saved["rows"]) == 2

@@ -396,6 +396,80 @@ def test_whole_matrix_run_with_a_real_world(tmp_path, monkeypatch):
     assert all(c["reason"] == saved["stopped"] for c in saved["configurations"] if c["status"] == "not_run")
 
 
+class InstrumentedMegaMoE(FakeMegaMoE):
+    """FakeMegaMoE with instrument=True's records (megamoe_fakes) of this rank's experts, as MegaMoE(group)'s
+    last_dump returns them (no rank array: one rank's own)."""
+
+    def __init__(self, group, num_experts, top_k, hidden, intermediate, instrument=False, **kw):
+        import torch.distributed as dist
+
+        super().__init__(group, num_experts, top_k, hidden, intermediate, **kw)
+        self.instrument, self.num_experts = instrument, num_experts
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def forward(self, x, topk_idx, topk_weights, schedule=None):
+        self.last = (topk_idx, schedule)
+        return super().forward(x, topk_idx, topk_weights, schedule)
+
+    def last_dump(self):
+        from megamoe_fakes import fake_records
+
+        if not self.instrument:
+            raise ValueError("build the layer with instrument=True to record tiles")
+        local = self.num_experts // self.world
+        # rank 1 runs on 2 CTAs, rank 0 on 4: the gathered records tell the ranks apart by their rank array only
+        return fake_records(self.last[0], range(self.rank * local, (self.rank + 1) * local), self.last[1],
+                            ctas=4 - 2 * self.rank)
+
+
+def test_whole_matrix_run_with_a_real_world_dumps(tmp_path, monkeypatch):
+    """--dump at real EP = 2 (two gloo ranks) after a one-GPU phase: one dump, the real world's records of both
+    ranks gathered to rank 0 and tagged with their rank, which the analysis CLI reads (EP2 rows apart)."""
+    from benchmarks import megamoe_analysis as ma
+
+    monkeypatch.setattr("sys.argv", ["xstage", "bench", "megamoe", "--matrix", "--world", "1,2", "--dump", "d"])
+    p = argparse.ArgumentParser()
+    mx.add_arguments(p)
+    args = mx.resolve(p.parse_args(["--out", str(tmp_path / "m.json"), "--tokens", "8", "--precision", "bf16",
+                                    "--world", "1,2", "--trials", "2", "--tmp", str(tmp_path),
+                                    "--dump", str(tmp_path / "d")]))
+    args.shapes, args.gpus = [TINY], 2
+    args.rank_modes = ep.rank_modes(None, args.world, args.gpus)
+    h = hooks(stub_matrix_timer)
+    for phase in ("local", "rank"):
+        h[phase]["api"] = (SimpleNamespace(MegaMoE=InstrumentedMegaMoE), None)
+    ep.run_matrix(args, h)
+    saved = json.loads((tmp_path / "m.json").read_text())
+    by = {c["key"]: c for c in saved["configurations"]}
+    assert saved["summary"]["counts"]["measured"] == 4
+    header = json.loads((tmp_path / "d.json").read_text())
+    got = {(e["key"], e["schedule"]): e for e in header["entries"]}
+    assert set(got) == {(k, s) for k in by for s in mx.SCHEDULES}  # both phases' configurations in one dump
+    import numpy as np
+
+    with np.load(tmp_path / "d.npz") as z:
+        for (key, s), e in got.items():
+            assert e["key_prefix"] == by[key]["dump"][s]["key_prefix"] and e["precision"] == "bf16"
+            if by[key]["ranks"] != "real":
+                assert f"{e['key_prefix']}.rank" not in z.files
+                continue
+            assert e["ranks"] == "real" and e["world"] == 2
+            rank, cta = z[f"{e['key_prefix']}.rank"], z[f"{e['key_prefix']}.cta"]
+            assert set(rank.tolist()) == {0, 1}
+            assert set(cta[rank == 0].tolist()) == {0, 1, 2, 3} and set(cta[rank == 1].tolist()) <= {0, 1}
+            experts = z[f"{e['key_prefix']}.expert"]
+            assert experts[rank == 0].max() < 4 <= experts[rank == 1].min()  # each rank its own experts
+    out = tmp_path / "analysis"
+    assert ma.main([str(tmp_path / "d.json"), "--out-dir", str(out)]) == 0
+    stall = json.loads((out / "d_stall.json").read_text())
+    rows = {(r["routing"], r["world"], r["ranks"]): r for r in stall["rows"]}
+    assert set(rows) == {(r, w, m) for r in ("balanced", "skewed") for w, m in ((1, "one GPU"), (2, "real"))}
+    real = rows[("skewed", 2, "real")]["schedules"]["wave"]
+    assert real["ctas"] == 6 and set(real["rank_end_us"]) == {"0", "1"}
+    assert "| tiny | bf16 | 8 | skewed | 2 (real) |" in (out / "d_stall.md").read_text()
+    assert any(n.endswith("_EP2_wave.png") for n in os.listdir(out))
+
+
 def test_regret_tool_uses_a_whole_gpu_per_real_rank(tmp_path):
     from benchmarks import megamoe_auto
 

@@ -5,6 +5,7 @@ of a whole run, with the GPU parts stubbed (graph capture, the trial timer, the 
 import argparse
 import json
 import math
+import os
 import sys
 from types import SimpleNamespace
 from typing import ClassVar
@@ -329,6 +330,143 @@ def test_replot_rewrites_the_table_and_figure(tmp_path):
     (tmp_path / "m.png").unlink()
     assert mx.main(["--matrix", "--replot", str(tmp_path / "m.json")]) == 0
     assert (tmp_path / "m.png").read_bytes()[:8] == PNG_MAGIC and "## Configurations" in (tmp_path / "m.md").read_text()
+
+
+# --- --dump -----------------------------------------------------------------------------------------------------
+
+class Instrumented(W8A8Layer):
+    """FakeLayer with instrument=True's records (megamoe_fakes): every build and launch logged in ``events``
+    beside the timer's trials, with how many timed layers are alive when an instrumented one is built."""
+
+    events: ClassVar[list] = []
+    timed: ClassVar = None  # a WeakSet of the live timed layers
+
+    def __init__(self, group, num_experts, top_k, hidden, intermediate, instrument=False, emulated_ranks=1, **kw):
+        super().__init__(group, num_experts, top_k, hidden, intermediate, emulated_ranks=emulated_ranks, **kw)
+        self.instrument, self.world, self.num_experts = instrument, emulated_ranks, num_experts
+        Instrumented.events.append(("build", instrument, len(Instrumented.timed)))
+        if not instrument:
+            Instrumented.timed.add(self)
+
+    def forward(self, x, topk_idx, topk_weights, schedule=None):
+        Instrumented.events.append(("forward", self.instrument, schedule))
+        self.last = (topk_idx, schedule)
+        return super().forward(x, topk_idx, topk_weights, schedule)
+
+    def last_dump(self):
+        from megamoe_fakes import fake_records, ranked
+
+        if not self.instrument:
+            raise ValueError("build the layer with instrument=True to record tiles")
+        idx, schedule = self.last
+        local = self.num_experts // self.world
+        parts = [fake_records(idx, range(r * local, (r + 1) * local), schedule) for r in range(self.world)]
+        return ranked(parts) if self.world > 1 else parts[0]
+
+
+def dump_run(tmp_path, *argv):
+    import weakref
+
+    Instrumented.events, Instrumented.timed = [], weakref.WeakSet()
+
+    def timer(cols, index):
+        Instrumented.events.append(("trials", index))
+        clock.t += 10.0
+        return {n: 100.0 + (index if n == "wave" else 0) for n in cols}, {n: [100.0] for n in cols}
+
+    clock = Clock()
+    return fake_run(tmp_path, "--precision", "bf16,w8a8", *argv, api=(SimpleNamespace(MegaMoE=Instrumented), None),
+                    clock=clock, timer=timer)
+
+
+def test_dump_of_an_emulated_matrix_is_what_the_analysis_reads(tmp_path):
+    """--dump FILE: per layer after its timed configurations, its instrumented twin (the timed one freed), one
+    launch per schedule and measured configuration on the same seeded inputs; FILE.npz/json in bench
+    megamoe --dump's format, precision and configuration in every entry; the analysis CLI reads and
+    summarizes it, precisions apart. Without --dump nothing instrumented is built."""
+    from benchmarks import megamoe_analysis as ma
+
+    _, saved, _, _ = dump_run(tmp_path, "--world", "1,2")
+    assert not any(e[0] == "build" and e[1] for e in Instrumented.events) and saved["args"]["dump"] is None
+    dump = tmp_path / "d"
+    _, saved, _, _ = dump_run(tmp_path, "--world", "1,2", "--dump", str(dump))
+    assert saved["args"]["dump"] == str(dump)
+    confs = saved["configurations"]
+    measured = [c for c in confs if c["status"] == "measured"]
+    assert len(measured) == 2 * 2 * 2  # bf16, w8a8 x routing x world (w4a8 not built)
+    events = Instrumented.events
+    builds = [i for i, e in enumerate(events) if e[0] == "build"]
+    assert [events[i][1] for i in builds] == [False, True] * 4  # a timed layer, then its instrumented twin
+    assert all(events[i][2] == 0 for i in builds[1::2])  # built once the timed one was freed
+    # per layer: both configurations' trials, then one instrumented launch per schedule of each
+    layer = events[:builds[2]]
+    inst = [e for e in layer if e[0] == "forward" and e[1]]
+    assert inst == [("forward", True, s) for s in mx.SCHEDULES] * 2
+    assert max(i for i, e in enumerate(layer) if e[0] == "trials") < builds[1]
+    header = json.loads((tmp_path / "d.json").read_text())
+    assert header["npz"] == "d.npz" and header["source"] == "xstage bench megamoe --matrix"
+    assert header["result"] == "m.json" and header["provenance"]["command"].startswith("xstage bench megamoe")
+    keys = [c["key"] for c in confs]
+    assert len(header["entries"]) == 2 * len(measured)
+    for e in header["entries"]:
+        c = confs[keys.index(e["key"])]
+        assert e["key_prefix"] == f"r{keys.index(e['key'])}.ours_{c['precision']}_{e['schedule']}" == \
+            c["dump"][e["schedule"]]["key_prefix"]
+        assert (e["row"], e["column"]) == (keys.index(e["key"]), f"ours_{c['precision']}_{e['schedule']}")
+        assert {k: e[k] for k in ("shape", "world", "ranks", "tokens_per_rank", "routing", "zipf_exponent",
+                                  "precision", "seed")} == {
+            "shape": "tiny", "world": c["world"], "ranks": c["ranks"], "tokens_per_rank": 8,
+            "routing": c["routing"], "zipf_exponent": c["zipf_exponent"], "precision": c["precision"],
+            "seed": c["seed"]}
+        assert ("rank" in e["arrays"]) == (c["world"] == 2)
+    with np_load(tmp_path / "d.npz") as z:
+        ranks = z["r" + str(keys.index("tiny/bf16/balanced/T8/P2")) + ".ours_bf16_wave.rank"]
+        assert set(ranks.tolist()) == {0, 1}
+    out = tmp_path / "analysis"
+    assert ma.main([str(tmp_path / "d.json"), "--out-dir", str(out)]) == 0
+    stall = json.loads((out / "d_stall.json").read_text())
+    rows = {(r["precision"], r["routing"], r["world"]): r for r in stall["rows"]}
+    assert len(rows) == len(stall["rows"]) == len(measured)  # each configuration its own row: precisions apart
+    assert all(sorted(r["schedules"]) == ["interleaved", "wave"] for r in rows.values())
+    r = rows[("w8a8", "skewed", 2)]
+    assert r["t_rs_median_int_over_wave"] == pytest.approx(2 / 3)  # the fake's 2000 vs 3000 cycles
+    assert set(stall["spearman_pred_vs_meas"]["median"]) == {"all", "wave", "interleaved", "bf16", "w8a8"}
+    assert "| tiny | w8a8 | 8 | skewed | 2 |" in (out / "d_stall.md").read_text()
+    assert sorted(n for n in os.listdir(out) if "timeline" in n) == [
+        "d_timeline_tiny_bf16_8_skewed_P2_interleaved.png", "d_timeline_tiny_bf16_8_skewed_P2_wave.png"]
+    assert (out / "d_spans.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_dump_kept_when_the_run_stops_mid_layer_and_continued_by_resume(tmp_path):
+    # 9 s: the first layer's first configuration fits (its compile, twin's and trials ~7.5 s), its second not
+    _, saved, _, _ = dump_run(tmp_path, "--world", "1", "--precision", "bf16", "--max-minutes", "0.15",
+                              "--dump", str(tmp_path / "d"))
+    assert [c["status"] for c in saved["configurations"]] == ["measured", "not_run"] and saved["stopped"]
+    first = json.loads((tmp_path / "d.json").read_text())["entries"]
+    assert [e["key_prefix"] for e in first] == ["r0.ours_bf16_wave", "r0.ours_bf16_interleaved"]
+    _, saved, _, _ = dump_run(tmp_path, "--world", "1", "--precision", "bf16", "--resume", str(tmp_path / "m.json"),
+                              "--dump", str(tmp_path / "d"))
+    entries = json.loads((tmp_path / "d.json").read_text())["entries"]
+    assert [e["key_prefix"] for e in entries] == [*(e["key_prefix"] for e in first), "r1.ours_bf16_wave",
+                                                  "r1.ours_bf16_interleaved"]
+    with np_load(tmp_path / "d.npz") as z:
+        assert {k.rsplit(".", 1)[0] for k in z.files} == {e["key_prefix"] for e in entries}
+
+
+def test_plan_counts_the_dump(capsys):
+    plain, dumped = mx.plan(parse()), mx.plan(parse("--dump", "x"))
+    layers, configs = 7 * 2 * 2 * 3, 168
+    extra = dumped["estimated_s"]["dump"]
+    assert "dump" not in plain["estimated_s"] and abs(dumped["estimated_s"]["all"] - plain["estimated_s"]["all"] - extra) <= 1
+    assert extra >= layers * mx.EST["layer_s"] + configs * mx.EST["dump_s"] - 1
+    assert cli.main(["bench", "megamoe", "--matrix", "--plan", "--shapes", "dit-moe", "--dump", "x"]) == 0
+    assert "--dump adds" in capsys.readouterr().out
+
+
+def np_load(path):
+    import numpy as np
+
+    return np.load(path)
 
 
 def test_no_gpu_is_a_usage_error(capsys):
