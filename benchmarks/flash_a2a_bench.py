@@ -502,13 +502,9 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     """``python -m benchmarks.flash_a2a_bench`` (the same as ``xstage bench flash-a2a``)."""
-    p = argparse.ArgumentParser(prog="xstage bench flash-a2a", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    try:
-        return run(p.parse_args(argv))
-    except UsageError as e:
-        print(f"xstage: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+    from benchmarks.entry import module_main
+
+    return module_main("xstage bench flash-a2a", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -673,20 +673,15 @@ def local_group(tmp: str, backend: str = "nccl"):
 
 def main(argv=None) -> int:
     """``python -m benchmarks.megamoe`` (the same as ``xstage bench megamoe``)."""
-    import argparse
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--matrix" in argv:
         from benchmarks import megamoe_matrix
 
         return megamoe_matrix.main(argv)
-    p = argparse.ArgumentParser(prog="xstage bench megamoe", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    try:
-        return run(p.parse_args(argv))
-    except UsageError as e:
-        print(f"xstage: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+    from benchmarks.entry import module_main
+
+    return module_main("xstage bench megamoe", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -41,12 +41,10 @@ bf16 and w8a8 (w4a8 skipped in moments while the API lacks it), two for all thre
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
@@ -783,13 +781,9 @@ def _visible_gpus() -> int:
 
 def main(argv=None) -> int:
     """``python -m benchmarks.megamoe_matrix`` (the same as ``xstage bench megamoe --matrix``)."""
-    p = argparse.ArgumentParser(prog="xstage bench megamoe --matrix", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    try:
-        return run(p.parse_args(argv))
-    except UsageError as e:
-        print(f"xstage: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+    from benchmarks.entry import module_main
+
+    return module_main("xstage bench megamoe --matrix", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":
