@@ -243,32 +243,30 @@ class MegaMoEForward(DispatchCombineMixin):
         while found != 0:
             e = ts.expert_of_row(s_row_off, p, E)
             if kind == ts.KIND_L1:
-                load_a, _, _ = copy_utils.tma_get_copy_fn(tma_x, 0, cute.make_layout(1), cute.local_tile(
-                    gX, (BLOCK_M, self.bk), (p, None)), sA)
-                load_b, _, _ = copy_utils.tma_get_copy_fn(tma_w1, 0, cute.make_layout(1), cute.local_tile(
-                    gW1, (BLOCK_N, self.bk), (e * self.n1 + n, None)), sB)
-                for kb in cutlass.range(self.k1, unroll=1):
-                    pipe.producer_acquire(state)
-                    load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
-                    load_b(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
-                    state.advance()
+                state = self.load_tile(tma_x, gX, tma_w1, gW1, p, e * self.n1 + n, sA, sB, self.k1, pipe, state)
             else:
                 fl.wait_geq(l1_done, p, Int32(self.l1_arrivals), timeout_ns, errors, Int32(ERR_L1_TIMEOUT), bidx,
                             "gpu", 0, True)
                 # the intermediate was written by generic-proxy stores; TMA reads through the async proxy
                 cute.arch.fence_proxy("async.global")
-                load_a, _, _ = copy_utils.tma_get_copy_fn(tma_h, 0, cute.make_layout(1), cute.local_tile(
-                    gH, (BLOCK_M, self.bk), (p, None)), sA)
-                load_b, _, _ = copy_utils.tma_get_copy_fn(tma_w2, 0, cute.make_layout(1), cute.local_tile(
-                    gW2, (BLOCK_N, self.bk), (e * self.n2 + n, None)), sB)
-                for kb in cutlass.range(self.k2, unroll=1):
-                    pipe.producer_acquire(state)
-                    load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
-                    load_b(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
-                    state.advance()
+                state = self.load_tile(tma_h, gH, tma_w2, gW2, p, e * self.n2 + n, sA, sB, self.k2, pipe, state)
             found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
                                                      self.n1, self.n2, E)
         pipe.producer_tail(state)
+
+    @cute.jit
+    def load_tile(self, tma_a, gA, tma_b, gB, a_block, b_block, sA, sB, n_kb: cutlass.Constexpr, pipe, state):
+        """One tile's ``n_kb`` K blocks: A's 128-row block ``a_block`` and B's ``b_block`` into the pipeline."""
+        load_a, _, _ = copy_utils.tma_get_copy_fn(tma_a, 0, cute.make_layout(1), cute.local_tile(
+            gA, (BLOCK_M, self.bk), (a_block, None)), sA)
+        load_b, _, _ = copy_utils.tma_get_copy_fn(tma_b, 0, cute.make_layout(1), cute.local_tile(
+            gB, (BLOCK_N, self.bk), (b_block, None)), sB)
+        for kb in cutlass.range(n_kb, unroll=1):
+            pipe.producer_acquire(state)
+            load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
+            load_b(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
+            state.advance()
+        return state
 
     # ---------------------------------------------------------------- phase 3: the MMA warpgroups
     @cute.jit

@@ -58,11 +58,13 @@ class DispatchCombineMixin:
                 fl.record_error(errors, Int32(ERR_BAD_EXPERT), bidx, e)
 
     @cute.jit
-    def cross_rank_barrier(self, barrier, peer_ptrs, target: Int64, world, errors, timeout_ns, tidx, bidx):
-        """Every thread of the CTA: its stores so far are performed at system scope before any rank passes.
-        Thread 0 fences (cumulative after the CTA barrier), adds one arrival on every rank's monotone counter
-        and waits (bounded) for this launch's ``target`` on its own."""
-        cute.arch.sync_threads()
+    def cross_rank_barrier(self, barrier, peer_ptrs, target: Int64, world, errors, timeout_ns, tidx, bidx,
+                           barrier_id: cutlass.Constexpr = None, num_threads: cutlass.Constexpr = NUM_THREADS):
+        """The CTA's threads taking part (all of them, or ``num_threads`` on named barrier ``barrier_id``): their
+        stores so far are performed at system scope before any rank passes. Thread 0 fences (cumulative after
+        the CTA barrier), adds one arrival on every rank's monotone counter and waits (bounded) for this
+        launch's ``target`` on its own."""
+        self.sync(barrier_id, num_threads)
         if tidx == 0:
             cute.arch.fence_acq_rel_sys()
             for j in cutlass.range(world, unroll=1):
@@ -70,7 +72,14 @@ class DispatchCombineMixin:
                 cute.arch.red(ptr.llvm_ptr, Int64(1), op="add", dtype="u64", sem="release", scope="sys")
             fl.wait_geq(barrier, Int32(0), target, timeout_ns, errors, Int32(fl.ERR_GRID_BARRIER_TIMEOUT), bidx,
                         "sys", 0, True)
-        cute.arch.sync_threads()
+        self.sync(barrier_id, num_threads)
+
+    @staticmethod
+    def sync(barrier_id, num_threads):
+        if const_expr(barrier_id is None):
+            cute.arch.sync_threads()
+        else:
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
 
     @cute.jit
     def dispatch(self, mX, mIdx, mWgt, tok_slot, peer_ptrs, s_owner, s_row_off, s_ntok, parity, rank, world,
@@ -169,15 +178,8 @@ class DispatchCombineMixin:
                timeout_ns, tidx, bidx, grid):
         """The MMA warpgroups after their walk: barrier B3 over every rank, then y = sum_k combine rows (one warp
         per token), then the last CTA advances the epoch."""
-        cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
-        if tidx == 0:
-            cute.arch.fence_acq_rel_sys()
-            for j in cutlass.range(world, unroll=1):
-                ptr = self.peer(peer_ptrs, "barrier", j, world, Int64, 8)
-                cute.arch.red(ptr.llvm_ptr, Int64(1), op="add", dtype="u64", sem="release", scope="sys")
-            fl.wait_geq(barrier, Int32(0), target, timeout_ns, errors, Int32(fl.ERR_GRID_BARRIER_TIMEOUT), bidx,
-                        "sys", 0, True)
-        cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
+        self.cross_rank_barrier(barrier, peer_ptrs, target, world, errors, timeout_ns, tidx, bidx,
+                                NamedBarrierMoE.MmaGroups, 2 * WG_THREADS)
         k = self.top_k
         H = self.hidden
         vec = 8
