@@ -260,32 +260,29 @@ def paper_flash_a2a_burst(profile: PlatformProfile, seq_len: int, sigma_us: floa
 # --- MegaMoE ------------------------------------------------------------------------
 
 
-def megamoe_burst(profile: PlatformProfile, model_name: str, n1_per_n2: float = 1.0) -> KernelBurst:
-    """MegaMoE Linear-2 Combine burst under the expert-wave schedule (sec. 4.2).
-
-    Assumes V_t = b_m*b_n*2 bytes (one 128x128 bf16 Combine tile per producer) and
-    K_act = sm_count aligned producers; G_wave = T_mma_L2, and the interleaved gap
-    (eq. 12) is reported alongside with n1/n2 = ``n1_per_n2``.
-    """
-    t_l2, t_l1 = MEGAMOE_MAINLOOPS_US[model_name]
+def combine_burst(profile: PlatformProfile, name: str, t_l2: float, t_l1: float, bytes_per_producer: float,
+                  n1_per_n2: float, description: str, extra: dict | None = None) -> KernelBurst:
+    """A Linear-2 Combine burst under the expert-wave schedule (sec. 4.2): K_act = sm_count aligned producers of
+    ``bytes_per_producer`` each, G_wave = T_mma_L2, and the interleaved gap (eq. 12, n1/n2 = ``n1_per_n2``),
+    its overheads, eq. 14's test and eq. 15's stalls reported alongside."""
     producers = profile.sm_count
-    volume = producers * MEGAMOE_TILE_BYTES
+    volume = producers * bytes_per_producer
     t_iss0 = float(profile.t_iss0(producers, volume))
     rate = profile.drain_rate
     wave_overhead = float(model.issue_overhead(t_l2, volume, t_iss0, rate))
     int_overhead = float(model.interleaved_overhead(wave_overhead, t_l1, n1_per_n2))
     gap_int = float(model.interleaved_gap(t_l2, t_l1, n1_per_n2))
     return KernelBurst(
-        name=f"megamoe-{model_name}",
+        name=name,
         producers=producers,
-        bytes_per_producer=MEGAMOE_TILE_BYTES,
+        bytes_per_producer=bytes_per_producer,
         gap_us=t_l2,
-        description=(f"MegaMoE {model_name} expert-wave Linear-2 Combine: V_t = 128x128 bf16 tile, "
-                     f"K_act=sm_count, G_wave=T_mma_L2={t_l2} us, T_mma_L1={t_l1} us (paper table 2), n1/n2={n1_per_n2:g}"),
+        description=description,
         alt_gaps_us={"interleaved": gap_int},
         extra={
             "t_mma_l2_us": t_l2,
             "t_mma_l1_us": t_l1,
+            **(extra or {}),
             "interleaved_gap_us": gap_int,
             "wave_overhead_us": wave_overhead,
             "interleaved_overhead_us": int_overhead,
@@ -298,39 +295,33 @@ def megamoe_burst(profile: PlatformProfile, model_name: str, n1_per_n2: float = 
     )
 
 
+def megamoe_burst(profile: PlatformProfile, model_name: str, n1_per_n2: float = 1.0) -> KernelBurst:
+    """The paper's MegaMoE Linear-2 Combine burst (sec. 4.2, table 2 mainloops): V_t = b_m*b_n*2 bytes (one
+    128x128 bf16 Combine tile per producer), every byte remote."""
+    t_l2, t_l1 = MEGAMOE_MAINLOOPS_US[model_name]
+    return combine_burst(
+        profile, f"megamoe-{model_name}", t_l2, t_l1, MEGAMOE_TILE_BYTES, n1_per_n2,
+        f"MegaMoE {model_name} expert-wave Linear-2 Combine: V_t = 128x128 bf16 tile, "
+        f"K_act=sm_count, G_wave=T_mma_L2={t_l2} us, T_mma_L1={t_l1} us (paper table 2), n1/n2={n1_per_n2:g}")
+
+
 def ours_megamoe_burst(profile: PlatformProfile, model_name: str, world: int) -> KernelBurst:
     """Our kernel's Linear-2 Combine burst at EP = ``world`` (sec. 4.2's test for megamoe.kernel as built): each
     L2 tile's epilogue stores its 128 x 128 bf16 rows (two 64-row warpgroup bursts) to their source ranks, of
     which (P-1)/P leave through NVLink on balanced routing (the rest land in local HBM, outside the X-stage);
-    K_act = sm_count CTAs; G_wave = the measured L2 mainloop, the interleaved gap from the L1 mainloop and the
-    shape's L1 / L2 tile ratio (eq. 12)."""
+    G_wave = the measured L2 mainloop, the interleaved gap from the L1 mainloop and the shape's L1 / L2 tile
+    ratio."""
     if world < 2:
         raise ValueError(f"a Combine burst needs peers: world must be >= 2, got {world}")
     ours = OURS_MEGAMOE[model_name]
     t_l2, t_l1 = ours["mainloops_us"]
     ratio = ours["n1_per_n2"]
-    producers = profile.sm_count
     bytes_per = MEGAMOE_TILE_BYTES * (world - 1) / world
-    volume = producers * bytes_per
-    t_iss0 = float(profile.t_iss0(producers, volume))
-    rate = profile.drain_rate
-    wave_overhead = float(model.issue_overhead(t_l2, volume, t_iss0, rate))
-    gap_int = float(model.interleaved_gap(t_l2, t_l1, ratio))
-    return KernelBurst(
-        name=f"megamoe-ours-{model_name}-p{world}",
-        producers=producers,
-        bytes_per_producer=bytes_per,
-        gap_us=t_l2,
-        description=(f"our MegaMoE {model_name} at EP={world}: V_t = {bytes_per / 1024:.0f} KiB of each 32 KiB "
-                     f"L2 tile remote, K_act=sm_count, G_wave=T_mma_L2={t_l2} us, T_mma_L1={t_l1} us (measured, "
-                     f"bf16, one H200), n1/n2={ratio:g}"),
-        alt_gaps_us={"interleaved": gap_int},
-        extra={"t_mma_l2_us": t_l2, "t_mma_l1_us": t_l1, "n1_per_n2": ratio, "interleaved_gap_us": gap_int,
-               "wave_overhead_us": wave_overhead,
-               "interleaved_overhead_us": float(model.interleaved_overhead(wave_overhead, t_l1, ratio)),
-               "interleave_sufficient": bool(model.interleave_sufficient(volume, t_iss0, t_l2, t_l1, rate,
-                                                                         n1=ratio, n2=1.0))},
-    )
+    return combine_burst(
+        profile, f"megamoe-ours-{model_name}-p{world}", t_l2, t_l1, bytes_per, ratio,
+        f"our MegaMoE {model_name} at EP={world}: V_t = {bytes_per / 1024:.0f} KiB of each 32 KiB L2 tile remote, "
+        f"K_act=sm_count, G_wave=T_mma_L2={t_l2} us, T_mma_L1={t_l1} us (measured, bf16, one H200), "
+        f"n1/n2={ratio:g}", {"n1_per_n2": ratio})
 
 
 # --- presets and the test -----------------------------------------------------------
