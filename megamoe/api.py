@@ -322,8 +322,9 @@ class MegaMoE:
     def last_dump(self) -> dict:
         """The last launch's per-tile records (instrument=True) as numpy arrays, one entry per tile run:
         cta, kind (1 = L1, 2 = L2), expert, m, n, sm, t_entry, t_data (first K block in: the wait at tile entry
-        ends), t_mma_end, t_end (globaltimer ns) and t_rs
-        (the L2 epilogue's store span, clock64 cycles)."""
+        ends), t_mma_end, t_end (the tile staged for its store warp; globaltimer ns), t_staging_wait (ns the MMA
+        side waited for the staging rows at the epilogue: the counterpart of the paper's tmem_empty wait) and
+        t_rs (L2: the store warp's span from issuing the Combine rows to their read-out, clock64 cycles)."""
         if not self.instrument:
             raise ValueError("build the layer with instrument=True to record tiles")
         import numpy as np
@@ -335,7 +336,8 @@ class MegaMoE:
         packed = r[:, 0]
         return {"cta": cta, "slot": np.nonzero(used)[1], "kind": packed >> 56, "expert": (packed >> 40) & 0xFFFF,
                 "m": (packed >> 20) & 0xFFFFF, "n": packed & 0xFFFFF, "sm": r[:, 1], "t_entry": r[:, 2],
-                "t_data": r[:, 3], "t_mma_end": r[:, 4], "t_end": r[:, 5], "t_rs": r[:, 6]}
+                "t_data": r[:, 3], "t_mma_end": r[:, 4], "t_end": r[:, 5], "t_rs": r[:, 6],
+                "t_staging_wait": r[:, 7]}
 
 
 class EmulatedMoE:

@@ -42,10 +42,9 @@ from cutlass.utils import LayoutEnum
 from quack import copy_utils, layout_utils, sm90_utils
 
 from cute_kernels import flags as fl
-from cute_kernels.tile_epilogue import WarpgroupTileStore
 from megamoe import tile_stream as ts
-from megamoe.phases import (AMAX_FLOOR, FP8_MAX, NUM_THREADS, WG_THREADS, DispatchCombineMixin,
-                            NamedBarrierMoE)
+from megamoe.epilogue import REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
+from megamoe.phases import NUM_THREADS, WG_THREADS, DispatchCombineMixin
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -53,12 +52,11 @@ BLOCK_N = 128
 # 128-wide scale block, promoted to fp32 once per stage)
 STAGE_K = {"bf16": 64, "w8a8": 128}
 PRECISIONS = tuple(STAGE_K)
-REC_FIELDS = 8  # packed tile, smid, t_entry, t_data, t_mma_end, t_store_end (globaltimer ns), ck_store (cycles), 0
 ERR_L1_TIMEOUT = 6
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
 
 
-class MegaMoEForward(DispatchCombineMixin):
+class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
     """``hidden``, ``intermediate``: the layer (multiples of 128); ``top_k``; ``num_local_experts``: experts
     per rank; ``max_world``: the largest world size the launch may take (shared-memory tables);
     ``instrument``: per-tile records; ``precision``: "bf16", or "w8a8" (e4m3 weights with 128 x 128 block
@@ -143,9 +141,9 @@ class MegaMoEForward(DispatchCombineMixin):
             atom_layout_mnk=atoms, tiler_mn=(64, BLOCK_N // 2))
         sA_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_M, self.bk), self.ab_stages)
         sB_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_N, self.bk), self.ab_stages)
-        # staging: one 128 x 128 bf16 buffer; an L1 tile's 128 x 64 h uses its first half (sH is a view of sC)
-        sC_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N))
-        sH_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_N // 2))
+        # staging (megamoe.epilogue): 128 padded rows; an L1 tile's h uses each row's first 64 columns
+        sC_layout = cute.make_layout((BLOCK_M, BLOCK_N), stride=(STAGE_ROW, 1))
+        sH_layout = cute.make_layout((BLOCK_M, BLOCK_N // 2), stride=(STAGE_ROW, 1))
         op = cpasync.CopyBulkTensorTileG2SOp()
         one_a = cute.select(sA_layout, mode=[0, 1])
         one_b = cute.select(sB_layout, mode=[0, 1])
@@ -164,7 +162,7 @@ class MegaMoEForward(DispatchCombineMixin):
             owner_off: cute.struct.MemRange[Int32, self.max_world * E]  # every owner's O_e (Dispatch)
             sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sB_layout)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sC_layout)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, BLOCK_M * STAGE_ROW], 1024]
 
         self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
                     peer_ptrs, epoch, done, errors, records, (s_pool, s_inter, s_w1, s_w2), gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2,
@@ -177,7 +175,7 @@ class MegaMoEForward(DispatchCombineMixin):
     def kernel(self, mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
                peer_ptrs, epoch, done, errors, records, scales, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
                tma_h: cute.CopyAtom, tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, sA_layout: cute.ComposedLayout,
-               sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout, sH_layout: cute.ComposedLayout,
+               sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, sH_layout: cute.Layout,
                mma: cute.TiledMma, mma_half: cute.TiledMma, tx: cutlass.Constexpr, rank: Int32, world: Int32,
                max_tokens: Int32, order: Int32, experts_per_wave: Int32, lead: Int32, timeout_ns: Int64,
                rec_cap: Int32, SharedStorage: cutlass.Constexpr):
@@ -217,11 +215,15 @@ class MegaMoEForward(DispatchCombineMixin):
             if warp_idx == 0:
                 self.load(gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, storage, sA_layout, sB_layout, pipe,
                           walk, l1_done, errors, timeout_ns)
+            elif warp_idx <= 2:
+                self.store_walk(storage.sC.get_tensor(sC_layout), mInter, pool_src, peer_ptrs, records, walk, s_ntok,
+                                l1_done, world, max_tokens, rec_cap, warp_idx - 1, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(mInter, pool_src, pool_w, peer_ptrs, records, scales, storage, (sA_layout, sB_layout, sC_layout,
                      sH_layout), mma, mma_half, pipe, walk, s_ntok, l1_done, world, max_tokens, rec_cap,
                      tidx - WG_THREADS)
+            self.stores_done()
             self.finish(mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, (e_launch * 3 + 3) * arrivals,
                         e_launch, world, timeout_ns, tidx - WG_THREADS, bidx, grid)
 
@@ -295,21 +297,20 @@ class MegaMoEForward(DispatchCombineMixin):
     @cute.jit
     def mma(self, mInter, pool_src, pool_w, peer_ptrs, records, scales, storage, layouts, mma, mma_half, pipe, walk,
             s_ntok, l1_done, world, max_tokens, rec_cap, tidx):
-        """The two MMA warpgroups: per tile of the walk its mainloop, then the epilogue of each warpgroup's 64
-        rows (L1: SwiGLU x weight to the intermediate and the row's counter; L2: rows to their source ranks)."""
+        """The two MMA warpgroups: per tile of the walk its mainloop, then each warpgroup stages its 64 rows for
+        its store warp (L1: SwiGLU x weight; L2: the bf16 rows of the Combine) and goes on (megamoe.epilogue)."""
         sA_layout, sB_layout, sC_layout, sH_layout = layouts
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
-        sH = storage.sC.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)  # a view of sC's first half
+        sC = storage.sC.get_tensor(sC_layout)
+        sH = storage.sC.get_tensor(sH_layout)  # a view of sC: each row's first 64 columns
+        sQ = cute.make_tensor(cute.recast_ptr(sC.iterator, dtype=self.ab_dtype),
+                              cute.make_layout((BLOCK_M, BLOCK_N // 2), stride=(2 * STAGE_ROW, 1)))  # FP8 h
         order, s_row_off, num_rows, epw, lead, bidx, grid = walk
         E = self.num_local_experts
-        rows = self.wg_rows
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_mma = mma.get_slice(wg * WG_THREADS)
         wg_half = mma_half.get_slice(wg * WG_THREADS)
-        sC_rows = cute.local_tile(sC, (64, BLOCK_N), (wg, 0))
-        sH_rows = cute.local_tile(sH, (64, BLOCK_N // 2), (wg, 0))
         acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(wg_mma, (BLOCK_M, BLOCK_N, self.bk), sA, sB)
         acc_blk = None
         if const_expr(self.fp8):  # one K block's product, promoted into acc with its scales
@@ -320,18 +321,12 @@ class MegaMoEForward(DispatchCombineMixin):
         st_atom = copy_utils.get_smem_store_atom(self.dtype)
         thr_c = cute.make_tiled_copy_C(st_atom, mma).get_slice(tidx)
         thr_h = cute.make_tiled_copy_C(st_atom, mma_half).get_slice(tidx)
-        tCsC = thr_c.partition_D(sC)
-        tHsH = thr_h.partition_D(sH)
-        store_c = WarpgroupTileStore.create(self.dtype, sC_rows, BLOCK_N, rows, WG_THREADS, tidx % WG_THREADS)
-        store_h = WarpgroupTileStore.create(self.dtype, sH_rows, BLOCK_N // 2, rows, WG_THREADS, tidx % WG_THREADS)
+        staging_c = (st_atom, thr_c, thr_c.partition_D(sC))
+        staging_h = (st_atom, thr_h, thr_h.partition_D(sH))
         # this thread's accumulator rows (within the 128-row tile), for the router weight
         rows_c = layout_utils.reshape_acc_to_mn(mma.get_slice(tidx).partition_C(
             cute.make_identity_tensor((BLOCK_M, BLOCK_N))))
-        staging_c = (st_atom, thr_c, tCsC, store_c)
-        staging_h = (st_atom, thr_h, tHsH, store_h)
         wts = cute.make_rmem_tensor(cute.make_layout(cute.size(rows_c, mode=[0])), Float32)  # L1: router weights
-        dst = cute.make_rmem_tensor(cute.make_layout(store_c.chunks), Int64)  # L2: combine rows
-        bar = NamedBarrierMoE.Epilogue + wg
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         cursor = ts.initial_cursor(order, bidx)
         found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
@@ -343,16 +338,11 @@ class MegaMoEForward(DispatchCombineMixin):
                 n_kb = Int32(self.k2)
             e = ts.expert_of_row(s_row_off, p, E)
             m = p - s_row_off[e]
-            valid = cutlass.min(s_ntok[e] - m * BLOCK_M, Int32(BLOCK_M))
             if const_expr(self.instrument):
                 t_entry = cute.arch.globaltimer()
-            row0 = p * BLOCK_M + wg * 64  # this warpgroup's first pool row
-            # what the epilogue reads from global memory, loaded before the mainloop hides the latency
-            if kind == ts.KIND_L1:
+            if kind == ts.KIND_L1:  # the router weights, loaded before the mainloop hides their latency
                 for r in cutlass.range_constexpr(cute.size(wts)):
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
-            else:
-                self.combine_destinations(dst, store_c, pool_src, peer_ptrs, row0, valid - wg * 64, max_tokens, world)
             if const_expr(self.fp8):
                 state, t_data = self.mainloop_fp8_tile(mma, acc, acc_blk, tCrA, tCrB, pipe, state, n_kb, kind, e, n,
                                                        p, arow, rows_c, scales, l1_done)
@@ -360,14 +350,14 @@ class MegaMoEForward(DispatchCombineMixin):
                 state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
             if const_expr(self.instrument):
                 t_mma = cute.arch.globaltimer()
-            t_rs = Int64(0)
+            waited = Int64(0)
             if kind == ts.KIND_L1:
                 if const_expr(self.fp8):
-                    self.epilogue_l1_fp8(acc, wts, mInter, scales[1], l1_done, p, n, rows_c, bar, tidx)
+                    waited = self.stage_l1_fp8(acc, wts, sQ, scales[1], p, n, rows_c, wg, j, tidx)
                 else:
-                    self.epilogue_l1(acc, acc_h, staging_h, wts, mInter, l1_done, p, n, row0, bar, tidx)
+                    waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j)
             else:
-                t_rs = self.epilogue_l2(acc, staging_c, dst, n, bar)
+                waited = self.stage_l2(acc, staging_c, wg, j)
             if const_expr(self.instrument):
                 if tidx == 0:
                     if j < rec_cap:
@@ -379,7 +369,7 @@ class MegaMoEForward(DispatchCombineMixin):
                         records[base_r + 3] = t_data
                         records[base_r + 4] = t_mma
                         records[base_r + 5] = t_end
-                        records[base_r + 6] = t_rs
+                        records[base_r + REC_STAGING_WAIT] = waited
             j = j + 1
             found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
                                                      self.n1, self.n2, E)
@@ -463,120 +453,3 @@ class MegaMoEForward(DispatchCombineMixin):
                 pipe.consumer_release(state)
                 state.advance()
         return state, t_data
-
-    @cute.jit
-    def epilogue_l1_fp8(self, acc, wts, mInter, s_inter, l1_done, p, n, rows_c, bar, tidx):
-        """FP8 L1 tile, this warpgroup's 64 rows: h = silu(gate) * up * weight in fp32, then per row one 1 x 64
-        scale (the row's 64 columns are this thread's 16 and its quad's: two shuffles), h / scale as e4m3
-        (two adjacent columns per 16-bit store) and the scale, then the row's counter."""
-        acc_mn = layout_utils.reshape_acc_to_mn(acc)
-        half = cute.size(acc_mn, mode=[1]) // 2
-        I = self.intermediate
-        h = cute.make_rmem_tensor(cute.make_layout(half), Float32)
-        pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        atom16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=16)
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            amax = Float32(0.0)
-            for c in cutlass.range_constexpr(half):
-                g = acc_mn[r, c]
-                v = g / (Float32(1.0) + cute.math.exp(-g, fastmath=True)) * acc_mn[r, c + half] * wts[r]
-                h[c] = v
-                amax = cute.arch.fmax(amax, cutlass.max(v, -v))
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 2))
-            scale = cute.arch.fmax(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
-            row = p * BLOCK_M + rows_c[r, 0][0]
-            for i in cutlass.range_constexpr(half // 2):
-                col = rows_c[r, 2 * i][1]  # < 64: the tile's intermediate column
-                for j in cutlass.range_constexpr(2):
-                    q = h[2 * i + j] / scale
-                    pair[j] = cutlass.min(cutlass.max(q, Float32(-FP8_MAX)), Float32(FP8_MAX))
-                q8 = cute.make_rmem_tensor(cute.make_layout(2), self.ab_dtype)
-                q8.store(pair.load().to(self.ab_dtype))
-                dst = mInter.iterator + cute.assume(Int64(row) * I + n * (BLOCK_N // 2) + col, divby=2)
-                cute.copy(atom16, q8, cute.make_tensor(dst, cute.make_layout(2)))
-            if tidx % 4 == 0:
-                s_inter[row * (I // 64) + n] = scale
-        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)
-        if tidx % WG_THREADS == 0:
-            cute.arch.fence_acq_rel_gpu()  # cumulative: covers the warpgroup's stores ordered by the barrier
-            fl.signal_add(l1_done, p, 1, "gpu")
-
-    @cute.jit
-    def epilogue_l1(self, acc, acc_h, staging, wts, mInter, l1_done, p, n, row0, bar, tidx):
-        """L1 tile (row p, N block n), this warpgroup's 64 rows: h = silu(gate) * up * weight in fp32 (gate and up
-        are the tile's columns [0, 64) and [64, 128): this thread holds column c and c + 64), bf16 to the
-        intermediate, then a release-add on the row's counter once every thread's stores are issued."""
-        st_atom, thr_h, tHsH, store_h = staging
-        acc_mn = layout_utils.reshape_acc_to_mn(acc)
-        h_mn = layout_utils.reshape_acc_to_mn(acc_h)
-        half_cols = cute.size(h_mn, mode=[1])
-        for r in cutlass.range_constexpr(cute.size(h_mn, mode=[0])):
-            w = wts[r]
-            for c in cutlass.range_constexpr(half_cols):
-                g = acc_mn[r, c]
-                h_mn[r, c] = g / (Float32(1.0) + cute.math.exp(-g, fastmath=True)) * acc_mn[r, c + half_cols] * w
-        r_h = cute.make_fragment_like(acc_h, self.dtype)
-        r_h.store(acc_h.load().to(self.dtype))
-        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # sH rows free again
-        cute.copy(st_atom, thr_h.retile(r_h), tHsH)
-        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)
-        store_h.load_staged()
-        I = self.intermediate
-        base = mInter.iterator + cute.assume(Int64(row0) * I + n * (BLOCK_N // 2), divby=8)
-        store_h.burst(base, cute.assume(Int32(I), divby=BLOCK_N))
-        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)
-        if tidx % WG_THREADS == 0:
-            cute.arch.fence_acq_rel_gpu()  # cumulative: covers the warpgroup's stores ordered by the barrier
-            fl.signal_add(l1_done, p, 1, "gpu")
-
-    @cute.jit
-    def epilogue_l2(self, acc, staging, dst, n, bar) -> Int64:
-        """L2 tile, this warpgroup's 64 rows: bf16 through shared memory, then the Combine's stores (returns
-        their clock64 span, the sender-visible T_RS, when instrumented)."""
-        st_atom, thr_c, tCsC, store_c = staging
-        r_c = cute.make_fragment_like(acc, self.dtype)
-        r_c.store(acc.load().to(self.dtype))
-        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # sC rows free again
-        cute.copy(st_atom, thr_c.retile(r_c), tCsC)
-        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)
-        store_c.load_staged()
-        t_rs = Int64(0)
-        if const_expr(self.instrument):
-            ck0 = cute.arch.clock64()
-        self.combine_stores(store_c, dst, n)
-        if const_expr(self.instrument):
-            t_rs = Int64(cute.arch.clock64() - ck0)
-        return t_rs
-
-    @cute.jit
-    def combine_destinations(self, dst: cute.Tensor, store_c: WarpgroupTileStore, pool_src, peer_ptrs, row0,
-                             valid_rows, max_tokens, world):
-        """Before an L2 tile's mainloop: the combine-buffer address of each row this thread will store (source
-        rank's buffer, slot token * top_k + k; 0 past the expert's tokens), so the epilogue's stores wait on no
-        load (the row sources' load latency hides under the mainloop)."""
-        slots = max_tokens * self.top_k
-        thr_copy = store_c.thr_copy
-        coords = thr_copy.partition_D(cute.make_identity_tensor((self.wg_rows, BLOCK_N)))
-        for c in cutlass.range_constexpr(store_c.chunks):
-            row = coords[0, c, 0][0]
-            dst[c] = Int64(0)
-            if row < valid_rows:
-                src = pool_src[row0 + row]
-                src_rank = src // slots
-                comb = self.peer(peer_ptrs, "combine", src_rank, world, self.dtype, 16)
-                dst[c] = (comb + Int64(src - src_rank * slots) * self.hidden).toint()
-
-    @cute.jit
-    def combine_stores(self, store_c: WarpgroupTileStore, dst: cute.Tensor, n):
-        """This warpgroup's staged 64 x 128 bf16 rows to their combine-buffer rows ``dst`` (column block n),
-        128-bit stores; rows with no destination (past the expert's tokens) are not stored."""
-        # (not the dataclass inside the dynamic branch: the DSL would try to carry its dtype field)
-        tiled_copy, thr_copy, regs = store_c.tiled_copy, store_c.thr_copy, store_c.regs
-        rows = self.wg_rows
-        for c in cutlass.range_constexpr(store_c.chunks):
-            if dst[c] != 0:
-                base = cute.make_ptr(self.dtype, dst[c], cute.AddressSpace.gmem, assumed_align=16) + cute.assume(
-                    n * BLOCK_N, divby=BLOCK_N)
-                g_dst = cute.make_tensor(base, cute.make_layout((rows, BLOCK_N), stride=(0, 1)))
-                cute.copy(tiled_copy, regs[None, c, None], thr_copy.partition_D(g_dst)[None, c, None])

@@ -23,9 +23,11 @@ BLOCK_M = 128
 
 
 class NamedBarrierMoE(enum.IntEnum):
-    """Named barriers (0 is __syncthreads)."""
-    Epilogue = 1  # 1, 2: one per MMA warpgroup, around its staged rows
-    MmaGroups = 3  # both MMA warpgroups: the end of the walk and the combine
+    """Named barriers (0 is __syncthreads). Staging pairs: MMA warpgroup w and its store warp (128 + 32)."""
+    MmaGroups = 1  # both MMA warpgroups: the end of the walk and the combine
+    StagingFull = 2  # 2, 3: warpgroup w's rows are staged (it arrives, its store warp syncs)
+    StagingFree = 4  # 4, 5: the store warp has read them out (it arrives, warpgroup w syncs before restaging)
+    StoresDone = 6  # the store warps' last stores are complete (they arrive, the MMA warpgroups sync before B3)
 
 
 class DispatchCombineMixin:

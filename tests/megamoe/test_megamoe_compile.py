@@ -32,13 +32,22 @@ def test_kernel_is_wgmma_with_128_bit_stores_and_no_spills(tmp_path, shape, inst
     # the mainloop: 4 k16 WGMMAs per 64-wide K block of a 64 x 128 warpgroup tile, peeled first block + loop
     assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16") == 8
     assert c.ptx_count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global") >= 4  # A and B, L1 and L2
-    assert c.ptx_count(r"st\.global\.v4\.b32") + c.ptx_count(r"st\.global\.v4\.u32") >= 3, "128-bit stores"
+    # Dispatch's pushed rows and y: 128-bit stores; the intermediate and the Combine rows leave the staging by
+    # bulk row copies from the store warps (L1 and L2, two rows per lane), which the MMA warpgroups hand over
+    # through named-barrier arrivals (staged rows, freed staging, the last stores done)
+    assert c.ptx_count(r"st\.global\.v4\.b32") + c.ptx_count(r"st\.global\.v4\.u32") >= 2, "128-bit stores"
     assert c.ptx_count(r"st\.global\.(u16|b16|v2)") == 0, "a narrower global store crept into an epilogue"
+    assert c.ptx_count(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group") == 4
+    assert c.ptx_count(r"cp\.async\.bulk\.wait_group\.read") >= 1 and c.ptx_count(r"stmatrix") > 0
+    assert c.ptx_count(r"bar(rier)?\.arrive") >= 3
     assert (c.ptx_count(r"%clock64") > 0) == instrument, "the records are compiled out unless instrumented"
     text = sass(c.cubin)
     if text is None:
         pytest.skip("no nvdisasm on this machine (it comes with triton): cannot read the SASS")
     assert text.count("HGMMA.64x128x16.F32.BF16") == 8, "WGMMA in the SASS"
+    # ptxas serializes every WGMMA (a wait after each, warning C7514) when other instructions read an
+    # accumulator in flight; then there is one WARPGROUP.DEPBAR per WGMMA instead of one per wait
+    assert text.count("WARPGROUP.DEPBAR") < text.count("HGMMA.64x128x16.F32.BF16"), "WGMMA serialized"
     no_spills(c.ptx)
 
 
@@ -58,6 +67,9 @@ def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, inst
     assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == 8
     assert c.ptx_count(r"wgmma\.mma_async[^\n]*bf16") == 0
     assert c.ptx_count(r"cvt\.rn\.satfinite\.e4m3x2\.f32") >= 8
+    # h leaves the L1 epilogue as e4m3 pairs into the staging, then bulk row copies (64 bytes a row)
+    assert c.ptx_count(r"st\.shared\.(b16|u16)") >= 8
+    assert c.ptx_count(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group") == 4
     # the pushed FP8 rows, one 8-byte store per lane (st.global.v2.b32, .v4.b16 or .b64; one more .b64 is the
     # epoch's store)
     assert c.ptx_count(r"st\.global\.(v2\.b32|v4\.b16|b64)") >= 2
@@ -66,6 +78,7 @@ def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, inst
     if text is None:
         pytest.skip("no nvdisasm on this machine (it comes with triton): cannot read the SASS")
     assert text.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 8, "FP8 WGMMA in the SASS"
+    assert text.count("WARPGROUP.DEPBAR") < text.count("QGMMA.64x128x32.F32.E4M3.E4M3"), "WGMMA serialized"
     no_spills(c.ptx)
 
 

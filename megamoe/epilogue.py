@@ -1,0 +1,211 @@
+"""The MegaMoE kernel's staged epilogue (``megamoe.kernel``): the MMA warpgroups stage each tile's output rows in
+shared memory and go straight on to their next mainloop; a store warp per MMA warpgroup sends the rows out with
+bulk row copies (``cute_kernels.bulk_store``) and publishes them. A mixin of ``MegaMoEForward``.
+
+Why: when the MMA warpgroups issued the stores themselves, each L2 tile's epilogue left the Tensor Cores idle
+3.8-5.1 us (20-55% of an L2 mainloop, ``megamoe_dump_P2_147e2d5_stall.md``). Now the MMA side pays the SwiGLU or
+conversion, the shared-memory writes and, only if the store warp is still reading the previous tile out, the
+wait for the staging rows (recorded as the tile's staging wait: the Hopper counterpart of the paper's
+``tmem_empty`` wait). The stores drain under the next mainloop: the X-stage.
+
+Staging: one 128-row buffer, rows ``STAGE_ROW`` bf16 apart (256 bytes of data and 16 of padding, so the
+accumulator layout's stmatrix and 16-bit writes hit 32 distinct banks and every row starts 16-byte aligned).
+Warpgroup w owns rows [64 w, 64 w + 64); its store warp (warp 1 + w of the producer warpgroup) walks the same tile
+stream and, per tile:
+- L1: copies the valid rows' h (64 columns, bf16 or e4m3) into the intermediate, waits until they are written,
+  then one release-add on ``l1_done[p]`` (the FP8 scales, stored by the MMA threads before the hand-off, are
+  covered by the same release: barrier, then a cumulative fence);
+- L2: copies each valid row to its combine slot on its source rank (the Combine's remote stores), waits only
+  until the rows are read out of shared memory, and frees the staging.
+At the end of its walk it waits for every store to be written and arrives on ``StoresDone``, which the MMA
+warpgroups wait on before barrier B3.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+from quack import layout_utils
+
+from cute_kernels import flags as fl
+from cute_kernels import bulk_store
+from megamoe import tile_stream as ts
+from megamoe.phases import AMAX_FLOOR, FP8_MAX, WG_THREADS, NamedBarrierMoE
+
+BLOCK_M = 128
+BLOCK_N = 128
+STAGE_ROW = BLOCK_N + 8  # bf16 elements from one staged row to the next (272 bytes)
+STAGING_THREADS = WG_THREADS + 32  # an MMA warpgroup and its store warp
+STORE_WARPS = 2
+# per-tile records (instrument): packed tile, smid, t_entry, t_data, t_mma_end, t_end (globaltimer ns), then T_RS
+# (clock64 cycles, written by the store warp) and the MMA side's staging wait (ns)
+REC_FIELDS = 8
+REC_T_RS = 6
+REC_STAGING_WAIT = 7
+
+
+class StagedEpilogueMixin:
+    # ---------------------------------------------------------------- the MMA warpgroups' side
+    @cute.jit
+    def staging_acquire(self, wg, j) -> Int64:
+        """Before writing tile ``j``'s rows: wait until the store warp has read the previous tile's out (the
+        first tile finds the staging free). Returns the wait in ns when instrumented."""
+        waited = Int64(0)
+        if j > 0:
+            if const_expr(self.instrument):
+                t0 = cute.arch.globaltimer()
+            cute.arch.barrier(barrier_id=NamedBarrierMoE.StagingFree + wg, number_of_threads=STAGING_THREADS)
+            if const_expr(self.instrument):
+                waited = cute.arch.globaltimer() - t0
+        return waited
+
+    @staticmethod
+    def staging_commit(wg) -> None:
+        """This thread's staged writes are visible to the copy engine; hand the rows to the store warp."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier_arrive(barrier_id=NamedBarrierMoE.StagingFull + wg, number_of_threads=STAGING_THREADS)
+
+    @cute.jit
+    def stage_l2(self, acc, staging, wg, j) -> Int64:
+        """L2 tile: the fp32 accumulator as bf16 rows into the staging (stmatrix)."""
+        st_atom, thr_c, tCsC = staging
+        r_c = cute.make_fragment_like(acc, self.dtype)
+        r_c.store(acc.load().to(self.dtype))
+        waited = self.staging_acquire(wg, j)
+        cute.copy(st_atom, thr_c.retile(r_c), tCsC)
+        self.staging_commit(wg)
+        return waited
+
+    @cute.jit
+    def stage_l1(self, acc, acc_h, staging, wts, wg, j) -> Int64:
+        """bf16 L1 tile: h = silu(gate) * up * weight in fp32 (gate and up are the tile's columns [0, 64) and
+        [64, 128): this thread holds column c and c + 64), as bf16 rows of 64 into the staging."""
+        st_atom, thr_h, tHsH = staging
+        acc_mn = layout_utils.reshape_acc_to_mn(acc)
+        h_mn = layout_utils.reshape_acc_to_mn(acc_h)
+        half_cols = cute.size(h_mn, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(h_mn, mode=[0])):
+            w = wts[r]
+            for c in cutlass.range_constexpr(half_cols):
+                g = acc_mn[r, c]
+                h_mn[r, c] = g / (Float32(1.0) + cute.math.exp(-g, fastmath=True)) * acc_mn[r, c + half_cols] * w
+        r_h = cute.make_fragment_like(acc_h, self.dtype)
+        r_h.store(acc_h.load().to(self.dtype))
+        waited = self.staging_acquire(wg, j)
+        cute.copy(st_atom, thr_h.retile(r_h), tHsH)
+        self.staging_commit(wg)
+        return waited
+
+    @cute.jit
+    def stage_l1_fp8(self, acc, wts, sQ, s_inter, p, n, rows_c, wg, j, tidx) -> Int64:
+        """FP8 L1 tile: h in fp32, per row one 1 x 64 scale (the row's 64 columns are this thread's 16 and its
+        quad's: two shuffles), h / scale as e4m3 into the staging (two adjacent columns per 16-bit write) and
+        the scale straight to ``s_inter`` (published by the store warp's release)."""
+        acc_mn = layout_utils.reshape_acc_to_mn(acc)
+        half = cute.size(acc_mn, mode=[1]) // 2
+        I = self.intermediate
+        h = cute.make_rmem_tensor(cute.make_layout(half), Float32)
+        pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        atom16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=16)
+        waited = self.staging_acquire(wg, j)
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            amax = Float32(0.0)
+            for c in cutlass.range_constexpr(half):
+                g = acc_mn[r, c]
+                v = g / (Float32(1.0) + cute.math.exp(-g, fastmath=True)) * acc_mn[r, c + half] * wts[r]
+                h[c] = v
+                amax = cute.arch.fmax(amax, cutlass.max(v, -v))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 2))
+            scale = cute.arch.fmax(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
+            tile_row = rows_c[r, 0][0]
+            for i in cutlass.range_constexpr(half // 2):
+                col = rows_c[r, 2 * i][1]  # < 64: the tile's intermediate column
+                for k in cutlass.range_constexpr(2):
+                    q = h[2 * i + k] / scale
+                    pair[k] = cutlass.min(cutlass.max(q, Float32(-FP8_MAX)), Float32(FP8_MAX))
+                q8 = cute.make_rmem_tensor(cute.make_layout(2), self.ab_dtype)
+                q8.store(pair.load().to(self.ab_dtype))
+                cute.copy(atom16, q8, cute.make_tensor(sQ.iterator + cute.assume(
+                    tile_row * (2 * STAGE_ROW) + col, divby=2), cute.make_layout(2)))
+            if tidx % 4 == 0:
+                s_inter[(p * BLOCK_M + tile_row) * (I // 64) + n] = scale
+        self.staging_commit(wg)
+        return waited
+
+    # ---------------------------------------------------------------- the store warps
+    @cute.jit
+    def store_walk(self, sC, mInter, pool_src, peer_ptrs, records, walk, s_ntok, l1_done, world, max_tokens,
+                   rec_cap, wg, lane):
+        """Store warp of MMA warpgroup ``wg``: per tile of the CTA's stream, its 64 staged rows out (lane takes
+        rows lane and lane + 32), as the module docstring says."""
+        order, s_row_off, num_rows, epw, lead, bidx, grid = walk
+        E = self.num_local_experts
+        I, H = self.intermediate, self.hidden
+        slots = max_tokens * self.top_k
+        atom_l1 = bulk_store.row_atom(self.ab_dtype, BLOCK_N // 2)
+        atom_l2 = bulk_store.row_atom(self.dtype, BLOCK_N)
+        s_bytes = cute.recast_ptr(sC.iterator, dtype=cutlass.Uint8)
+        dst = cute.make_rmem_tensor(cute.make_layout(2), Int64)
+        cursor = ts.initial_cursor(order, bidx)
+        found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
+                                                 self.n1, self.n2, E)
+        j = Int32(0)
+        while found != 0:
+            e = ts.expert_of_row(s_row_off, p, E)
+            valid = cutlass.min(s_ntok[e] - (p - s_row_off[e]) * BLOCK_M, Int32(BLOCK_M)) - wg * 64
+            row0 = p * BLOCK_M + wg * 64  # this warpgroup's first pool row
+            # each lane's destinations, computed while the MMA warpgroup is still in its mainloop
+            for i in cutlass.range_constexpr(2):
+                r = lane + 32 * i
+                dst[i] = Int64(0)
+                if r < valid:
+                    if kind == ts.KIND_L1:
+                        inter = mInter.iterator + cute.assume(Int64(row0 + r) * I + n * (BLOCK_N // 2), divby=16)
+                        dst[i] = inter.toint()
+                    else:
+                        src = pool_src[row0 + r]
+                        src_rank = src // slots
+                        comb = self.peer(peer_ptrs, "combine", src_rank, world, self.dtype, 16)
+                        dst[i] = (comb + cute.assume(Int64(src - src_rank * slots) * H + n * BLOCK_N,
+                                                     divby=BLOCK_N)).toint()
+            cute.arch.barrier(barrier_id=NamedBarrierMoE.StagingFull + wg, number_of_threads=STAGING_THREADS)
+            if const_expr(self.instrument):
+                ck0 = cute.arch.clock64()
+            for i in cutlass.range_constexpr(2):
+                if dst[i] != 0:
+                    row = wg * 64 + lane + 32 * i
+                    if kind == ts.KIND_L1:
+                        bulk_store.issue_row(atom_l1, cute.recast_ptr(s_bytes + row * (2 * STAGE_ROW),
+                                                                      dtype=self.ab_dtype), dst[i], BLOCK_N // 2)
+                    else:
+                        bulk_store.issue_row(atom_l2, sC.iterator + row * STAGE_ROW, dst[i], BLOCK_N)
+            bulk_store.commit()
+            if kind == ts.KIND_L1:
+                # the rows must be written before the row counter says so (a reader's TMA follows its acquire)
+                bulk_store.wait_done()
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.fence_acq_rel_gpu()  # cumulative: the lanes' rows and the MMA threads' scales
+                    fl.signal_add(l1_done, p, 1, "gpu")
+            else:
+                bulk_store.wait_read()
+                cute.arch.sync_warp()
+                if const_expr(self.instrument):
+                    if wg == 0 and lane == 0 and j < rec_cap:
+                        records[(Int64(bidx) * rec_cap + j) * REC_FIELDS + REC_T_RS] = Int64(cute.arch.clock64() - ck0)
+            j = j + 1
+            found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
+                                                     self.n1, self.n2, E)
+            if found != 0:
+                cute.arch.barrier_arrive(barrier_id=NamedBarrierMoE.StagingFree + wg,
+                                         number_of_threads=STAGING_THREADS)
+        # every Combine row written (and fenced) before the MMA warpgroups' barrier B3 publishes them
+        bulk_store.wait_done()
+        cute.arch.barrier_arrive(barrier_id=NamedBarrierMoE.StoresDone,
+                                 number_of_threads=2 * WG_THREADS + 32 * STORE_WARPS)
+
+    @staticmethod
+    def stores_done() -> None:
+        """The MMA warpgroups, after their walk: every store warp's stores are complete."""
+        cute.arch.barrier(barrier_id=NamedBarrierMoE.StoresDone, number_of_threads=2 * WG_THREADS + 32 * STORE_WARPS)
