@@ -20,6 +20,7 @@ fl.ERROR_NAMES.setdefault(ERR_BAD_EXPERT, "an expert id is out of range (valid: 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4  # scale = max(amax, floor) / 448: megamoe.reference's recipe (DeepGEMM's floor)
 BLOCK_M = 128
+DISPATCH_BATCH = 8  # 16 B vectors per lane in flight in Dispatch's row copies (and its FP8 runs per half-warp)
 
 
 class NamedBarrierMoE(enum.IntEnum):
@@ -128,11 +129,21 @@ class DispatchCombineMixin:
                 else:
                     dst = (self.peer(peer_ptrs, "pool", owner, world, self.dtype, 16)
                            + cute.assume(Int64(row) * H, divby=vec))
-                    frag = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
-                    for v in cutlass.range(lane, H // vec, 32, unroll=2):
-                        off = cute.assume(v * vec, divby=vec)
-                        cute.copy(copy_atom, cute.make_tensor(src + off, cute.make_layout(vec)), frag)
-                        cute.copy(copy_atom, frag, cute.make_tensor(dst + off, cute.make_layout(vec)))
+                    # a batch of vectors per lane loaded before any is stored: 4 KB of each warp's row in
+                    # flight (one load at a time left the copy latency-bound, well under the HBM rate)
+                    frags = cute.make_rmem_tensor(cute.make_layout((vec, DISPATCH_BATCH)), self.dtype)
+                    for b in cutlass.range(0, H // vec, 32 * DISPATCH_BATCH, unroll=1):
+                        for i in cutlass.range_constexpr(DISPATCH_BATCH):
+                            v = b + i * 32 + lane
+                            if v < H // vec:
+                                off = cute.assume(v * vec, divby=vec)
+                                cute.copy(copy_atom, cute.make_tensor(src + off, cute.make_layout(vec)),
+                                          frags[None, i])
+                        for i in cutlass.range_constexpr(DISPATCH_BATCH):
+                            v = b + i * 32 + lane
+                            if v < H // vec:
+                                off = cute.assume(v * vec, divby=vec)
+                                cute.copy(copy_atom, frags[None, i], cute.make_tensor(dst + off, cute.make_layout(vec)))
                 if lane == 0:
                     ps = self.peer(peer_ptrs, "pool_src", owner, world, Int32, 4)
                     pw = self.peer(peer_ptrs, "pool_w", owner, world, Float32, 4)
@@ -142,7 +153,7 @@ class DispatchCombineMixin:
     @cute.jit
     def push_row_fp8(self, src, peer_ptrs, owner, world, row, lane):
         """One warp: the bf16 token row at ``src`` quantized in 1 x 128 runs (megamoe.reference's recipe:
-        scale = max(amax, 1e-4) / 448, q = x / scale) into the owner's FP8 pool row ``row`` and its scales.
+        scale = max(amax, 1e-4) / 448, q = x * (1 / scale)) into the owner's FP8 pool row ``row`` and its scales.
         Each half-warp takes one run per step (16 lanes x 8 elements), its amax by shuffles within the half."""
         H = self.hidden
         runs = H // 128
@@ -151,28 +162,36 @@ class DispatchCombineMixin:
         st = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=64)
         pool = self.peer(peer_ptrs, "pool", owner, world, self.ab_dtype, 16)
         pool_scale = self.peer(peer_ptrs, "pool_scale", owner, world, Float32, 4)
-        x8 = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
+        steps = (runs + 1) // 2  # the odd count's last step: both halves take the last run, one stores
+        x8 = cute.make_rmem_tensor(cute.make_layout((8, DISPATCH_BATCH)), self.dtype)
         q = cute.make_rmem_tensor(cute.make_layout(8), Float32)
         q8 = cute.make_rmem_tensor(cute.make_layout(8), self.ab_dtype)
-        for it in cutlass.range((runs + 1) // 2, unroll=1):
-            run = cutlass.min(2 * it + sub, Int32(runs - 1))  # the odd count's last step: both halves, one stores
-            col = run * 128 + half * 8
-            cute.copy(ld, cute.make_tensor(src + cute.assume(col, divby=8), cute.make_layout(8)), x8)
-            q.store(x8.load().to(Float32))
-            amax = Float32(0.0)
-            for j in cutlass.range_constexpr(8):
-                amax = cute.arch.fmax(amax, cutlass.max(q[j], -q[j]))
-            for off in cutlass.range_constexpr(4):  # xor 8, 4, 2, 1: within the half-warp
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 8 >> off))
-            scale = cute.arch.fmax(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
-            for j in cutlass.range_constexpr(8):
-                q[j] = cutlass.min(cutlass.max(q[j] / scale, Float32(-FP8_MAX)), Float32(FP8_MAX))
-            q8.store(q.load().to(self.ab_dtype))
-            if 2 * it + sub < runs:
-                dst = pool + cute.assume(Int64(row) * H + col, divby=8)
-                cute.copy(st, q8, cute.make_tensor(dst, cute.make_layout(8)))
-                if half == 0:
-                    cute.arch.store((pool_scale + (Int64(row) * runs + run)).llvm_ptr, scale)
+        for b in cutlass.range(0, steps, DISPATCH_BATCH, unroll=1):
+            for i in cutlass.range_constexpr(DISPATCH_BATCH):  # the batch's loads first, all in flight
+                if b + i < steps:
+                    col = cutlass.min(2 * (b + i) + sub, Int32(runs - 1)) * 128 + half * 8
+                    cute.copy(ld, cute.make_tensor(src + cute.assume(col, divby=8), cute.make_layout(8)),
+                              x8[None, i])
+            for i in cutlass.range_constexpr(DISPATCH_BATCH):
+                if b + i < steps:  # warp-uniform: the shuffles below see every lane
+                    run = cutlass.min(2 * (b + i) + sub, Int32(runs - 1))
+                    col = run * 128 + half * 8
+                    q.store(x8[None, i].load().to(Float32))
+                    amax = Float32(0.0)
+                    for j in cutlass.range_constexpr(8):
+                        amax = cute.arch.fmax(amax, cutlass.max(q[j], -q[j]))
+                    for off in cutlass.range_constexpr(4):  # xor 8, 4, 2, 1: within the half-warp
+                        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 8 >> off))
+                    scale = cute.arch.fmax(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
+                    inv = Float32(1.0) / scale
+                    for j in cutlass.range_constexpr(8):
+                        q[j] = cutlass.min(cutlass.max(q[j] * inv, Float32(-FP8_MAX)), Float32(FP8_MAX))
+                    q8.store(q.load().to(self.ab_dtype))
+                    if 2 * (b + i) + sub < runs:
+                        dst = pool + cute.assume(Int64(row) * H + col, divby=8)
+                        cute.copy(st, q8, cute.make_tensor(dst, cute.make_layout(8)))
+                        if half == 0:
+                            cute.arch.store((pool_scale + (Int64(row) * runs + run)).llvm_ptr, scale)
 
     # ---------------------------------------------------------------- phase 4: combine
     @cute.jit
@@ -189,19 +208,32 @@ class DispatchCombineMixin:
         gwarp = bidx * 8 + tidx // 32
         num_tokens = Int32(cute.size(mIdx, mode=[0]))
         copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        frag = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
+        # u vectors per lane at a time, each with its k rows' loads in flight before the sum (about 16 loads)
+        u = max(1, min(4, 16 // k))
+        frags = cute.make_rmem_tensor(cute.make_layout((vec, k, u)), self.dtype)
         total = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
+        out = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
+        routed = cute.make_rmem_tensor(cute.make_layout(k), Int32)
         for t in cutlass.range(gwarp, num_tokens, grid * 8, unroll=1):
-            for v in cutlass.range(lane, H // vec, 32, unroll=1):
-                total.fill(0.0)
-                for j in cutlass.range_constexpr(k):
-                    if mIdx[t, j] >= 0:
-                        src = mComb.iterator + cute.assume((Int64(t) * k + j) * H + v * vec, divby=vec)
-                        cute.copy(copy_atom, cute.make_tensor(src, cute.make_layout(vec)), frag)
-                        total.store(total.load() + frag.load().to(Float32))
-                frag.store(total.load().to(self.dtype))
-                dst = mY.iterator + cute.assume(Int64(t) * H + v * vec, divby=vec)
-                cute.copy(copy_atom, frag, cute.make_tensor(dst, cute.make_layout(vec)))
+            for j in cutlass.range_constexpr(k):
+                routed[j] = mIdx[t, j]
+            for b in cutlass.range(0, H // vec, 32 * u, unroll=1):
+                for i in cutlass.range_constexpr(u):
+                    v = b + i * 32 + lane
+                    for j in cutlass.range_constexpr(k):
+                        if v < H // vec and routed[j] >= 0:
+                            src = mComb.iterator + cute.assume((Int64(t) * k + j) * H + v * vec, divby=vec)
+                            cute.copy(copy_atom, cute.make_tensor(src, cute.make_layout(vec)), frags[None, j, i])
+                for i in cutlass.range_constexpr(u):
+                    v = b + i * 32 + lane
+                    if v < H // vec:
+                        total.fill(0.0)
+                        for j in cutlass.range_constexpr(k):
+                            if routed[j] >= 0:
+                                total.store(total.load() + frags[None, j, i].load().to(Float32))
+                        out.store(total.load().to(self.dtype))
+                        dst = mY.iterator + cute.assume(Int64(t) * H + v * vec, divby=vec)
+                        cute.copy(copy_atom, out, cute.make_tensor(dst, cute.make_layout(vec)))
         cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
         if tidx == 0:
             arrived = cute.arch.atomic_add(fl.elem_ptr(done, 0), Int32(1), sem="relaxed", scope="gpu")
