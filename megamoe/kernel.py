@@ -312,9 +312,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
         wg_mma = mma.get_slice(wg * WG_THREADS)
         wg_half = mma_half.get_slice(wg * WG_THREADS)
         acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(wg_mma, (BLOCK_M, BLOCK_N, self.bk), sA, sB)
-        acc_blk = None
-        if const_expr(self.fp8):  # one K block's product, promoted into acc with its scales
-            acc_blk = cute.make_fragment_like(acc)
+        blks = None
+        if const_expr(self.fp8):  # a K block's two halves, each promoted into acc with its scales
+            blks = (cute.make_fragment_like(acc), cute.make_fragment_like(acc))
         arow = cute.make_rmem_tensor(cute.make_layout(cute.size(layout_utils.reshape_acc_to_mn(acc), mode=[0])),
                                      Int32)  # FP8: this thread's pool rows, for the activation scales
         acc_h = cute.make_rmem_tensor(wg_half.partition_shape_C((BLOCK_M, BLOCK_N // 2)), Float32)
@@ -344,7 +344,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
                 for r in cutlass.range_constexpr(cute.size(wts)):
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
             if const_expr(self.fp8):
-                state, t_data = self.mainloop_fp8_tile(mma, acc, acc_blk, tCrA, tCrB, pipe, state, n_kb, kind, e, n,
+                state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, n_kb, kind, e, n,
                                                        p, arow, rows_c, scales, l1_done)
             else:
                 state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
@@ -402,54 +402,61 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
                 acc_mn[r, c + half] = acc_mn[r, c + half] + blk_mn[r, c + half] * hi
 
     @cute.jit
-    def mainloop_fp8_tile(self, mma, acc, acc_blk, tCrA, tCrB, pipe, state, n_kb, kind, e, n, p, arow, rows_c,
+    def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, n_kb, kind, e, n, p, arow, rows_c,
                           scales, l1_done):
-        """acc = the tile's fp32 product over ``n_kb`` 128-wide K blocks, each WGMMA'd into ``acc_blk`` and
-        promoted with its scales. L1: activation scales of the pool rows (1 x 128, one per block), weight
-        scales of the gate and the up block; L2: the intermediate's 1 x 64 scales, two per block (so each
-        block is two half-blocks), and one weight scale."""
+        """acc = the tile's fp32 product over its 128-wide K blocks. Each block's WGMMAs go in two halves into two
+        fresh accumulators ``blks``; the first half is promoted (times its activation and weight scales) while
+        the second half's WGMMA runs, then the second. L1: both halves take the block's activation scale of the
+        pool row (1 x 128) and the weight scales of its gate and up blocks; L2: each half its own 1 x 64 scale
+        of the intermediate row, under the block's one weight scale. (Promoting a block while the next block's
+        WGMMA runs needs an accumulator in flight across the loop, and ptxas then serializes every WGMMA:
+        docs/FINDINGS.md, megamoe_fp8_pipelined.)"""
         s_pool, s_inter, s_w1, s_w2 = scales
         H, I = self.hidden, self.intermediate
+        blk_a, blk_b = blks
         for r in cutlass.range_constexpr(cute.size(arow)):
             arow[r] = p * BLOCK_M + rows_c[r, 0][0]
-        sa = cute.make_rmem_tensor(cute.make_layout(cute.size(arow)), Float32)
+        rows = cute.size(arow)
+        sa_a = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
+        sa_b = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
+        ksteps = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         t_data = Int64(0)
+        lo, hi = Int32(0), Int32(0)
         if kind == ts.KIND_L1:
-            wb = (e * (2 * I // 128) + n // 2) * (H // 128)  # the gate rows' weight block row; up: I / 128 later
-            ub = wb + (I // 128) * (H // 128)
-            for kb in cutlass.range(n_kb, unroll=1):
-                pipe.consumer_wait(state)
-                if const_expr(self.instrument):
-                    if kb == 0:
-                        t_data = cute.arch.globaltimer()
-                self.wgmma_k(mma, acc_blk, tCrA, tCrB, state.index, 0, cute.size(tCrA, mode=[2]))
-                for r in cutlass.range_constexpr(cute.size(arow)):  # loads under the WGMMA
-                    sa[r] = s_pool[arow[r] * (H // 128) + kb]
-                sb_g = s_w1[wb + kb]
-                sb_u = s_w1[ub + kb]
-                warpgroup.wait_group(0)
-                pipe.consumer_release(state)
-                self.promote(acc, acc_blk, sa, sb_g, sb_u)
-                state.advance()
+            lo = (e * (2 * I // 128) + n // 2) * (H // 128)  # the gate rows' weight block row; up: I / 128 later
+            hi = lo + (I // 128) * (H // 128)
         else:
             # the scales below were stored by other CTAs' L1 epilogues before their release on l1_done[p]; they
             # are read after this stage's data arrived, i.e. after the producer's acquire of that counter
             # (producer acquire -> its TMA -> the stage's mbarrier -> this warpgroup's wait)
-            wb = (e * (H // 128) + n) * (I // 128)
-            ksteps = cute.size(tCrA, mode=[2])
-            for kb in cutlass.range(n_kb, unroll=1):
-                pipe.consumer_wait(state)
-                if const_expr(self.instrument):
-                    if kb == 0:
-                        t_data = cute.arch.globaltimer()
-                sb = s_w2[wb + kb]
-                for hb in cutlass.range_constexpr(2):  # the two 64-wide activation-scale runs of this block
-                    self.wgmma_k(mma, acc_blk, tCrA, tCrB, state.index, hb * ksteps // 2, (hb + 1) * ksteps // 2)
-                    for r in cutlass.range_constexpr(cute.size(arow)):
-                        sa[r] = s_inter[arow[r] * (I // 64) + 2 * kb + hb]
-                    warpgroup.wait_group(0)
-                    self.promote(acc, acc_blk, sa, sb, sb)
-                pipe.consumer_release(state)
-                state.advance()
+            lo = (e * (H // 128) + n) * (I // 128)
+            hi = lo
+        for kb in cutlass.range(n_kb, unroll=1):
+            pipe.consumer_wait(state)
+            if const_expr(self.instrument):
+                if kb == 0:
+                    t_data = cute.arch.globaltimer()
+            self.wgmma_k(mma, blk_a, tCrA, tCrB, state.index, 0, ksteps // 2)
+            self.wgmma_k(mma, blk_b, tCrA, tCrB, state.index, ksteps // 2, ksteps)
+            sb_lo = Float32(0.0)
+            sb_hi = Float32(0.0)
+            if kind == ts.KIND_L1:  # loads under the WGMMAs
+                for r in cutlass.range_constexpr(rows):
+                    sa_a[r] = s_pool[arow[r] * (H // 128) + kb]
+                    sa_b[r] = sa_a[r]
+                sb_lo = s_w1[lo + kb]
+                sb_hi = s_w1[hi + kb]
+            else:
+                for r in cutlass.range_constexpr(rows):
+                    sa_a[r] = s_inter[arow[r] * (I // 64) + 2 * kb]
+                    sa_b[r] = s_inter[arow[r] * (I // 64) + 2 * kb + 1]
+                sb_lo = s_w2[lo + kb]
+                sb_hi = sb_lo
+            warpgroup.wait_group(1)
+            self.promote(acc, blk_a, sa_a, sb_lo, sb_hi)
+            warpgroup.wait_group(0)
+            pipe.consumer_release(state)
+            self.promote(acc, blk_b, sa_b, sb_lo, sb_hi)
+            state.advance()
         return state, t_data
