@@ -5,27 +5,26 @@ Entries are told apart by shape, tokens per rank, routing, world, rank mode (one
 precision (the entry's ``precision``; a dump without it, as the bench wrote before, by its column's
 ``ours_<dtype>_<schedule>``), and within those by schedule.
 
-What each dumped timestamp is (megamoe.kernel, ``MegaMoE.last_dump``; written by thread 0, i.e. the first MMA
-warpgroup's view of the tile):
+What each dumped timestamp is (megamoe.kernel, ``MegaMoE.last_dump``; thread 0, i.e. the first MMA
+warpgroup's view of the tile, except t_rs):
   t_entry    globaltimer (ns) when the MMA warpgroups begin the tile;
   t_data     when its first K block had arrived: t_data - t_entry is the MMA side's wait at tile entry (for an
              L2 tile it includes the producer's wait for the row's Linear-1 tiles, the l1_done counter);
-  t_mma_end  mainloop end; t_end: after the epilogue;
-  t_rs       clock64 cycles around the L2 epilogue's Combine stores (0 for L1): the sender-visible T_RS of
-             the first warpgroup's 64 rows (kernels before 23d93b3 also load each row's destination, pool_src
-             and the peer table, inside this span; 23d93b3 moved those loads before the mainloop).
+  t_mma_end  mainloop end; t_end: the tile's rows staged for the store warp (megamoe.epilogue);
+  t_staging_wait  ns the MMA side waited, inside its epilogue, for the staging rows: the store warp was still
+             sending the previous tile's (the Hopper counterpart of the paper's tmem_empty wait);
+  t_rs       L2: clock64 cycles of the store warp from issuing the first warpgroup's 64 Combine rows (bulk row
+             copies) to their read-out of shared memory: the sender-visible T_RS.
+Dumps of kernels before the staged epilogue (cb8aea6) lack t_staging_wait: there the MMA warpgroups issued the
+stores themselves, t_rs sat inside the epilogue (t_end - t_mma_end) and the exposed cost was the whole epilogue.
 Per L2 tile i and its successor j (the next slot of the same CTA of the same rank) the stall table computes
   (a) T_RS_i = t_rs / clock;
   (b) T_cover_j = t_mma_end_j - t_data_j, the successor's measured mainloop;
   (c) eq. 15's prediction [T_RS_i - T_cover_j]+ as the paper defines it (and the paper's Table 2 variant with
       the full-tile median mainloop of j's kind in place of j's own);
-  (d) the measured MMA-side wait at the successor's entry, t_data_j - t_entry_j.
-Caveat, by design of this kernel: there is no separate epilogue role and no double-buffered staging, so the
-MMA warpgroups run the epilogue themselves and the whole epilogue (t_end - t_mma_end, T_RS inside it) sits
-on the Tensor Core critical path. Eq. 15's cover window only exists in a design with staging; here (c) says
-what such a design would expose, (d) is a data wait (there is no staging slot to wait for, unlike the paper's
-tmem_empty), and the exposed cost actually paid is the MMA idle between the two mainloops,
-t_data_j - t_mma_end_i = epilogue_i + bookkeeping gap + wait_j, reported as well.
+  (d) the measured stall: the successor's staging wait (older dumps: its entry wait t_data_j - t_entry_j, a
+      data wait, reported for both as meas_entry_wait);
+and the MMA idle between the two mainloops, t_data_j - t_mma_end_i (epilogue_i + bookkeeping + wait_j).
 """
 from __future__ import annotations
 
@@ -38,6 +37,7 @@ import numpy as np
 
 DEFAULT_CLOCK_GHZ = 1.98  # SM clock under load on the H200 (benchmarks.spans); this dump cannot calibrate it
 ARRAYS = ("cta", "slot", "kind", "expert", "m", "n", "sm", "t_entry", "t_data", "t_mma_end", "t_end", "t_rs")
+STAGED = "t_staging_wait"  # dumped since the staged epilogue (cb8aea6); older dumps: zeros, ``staged`` False
 L1, L2 = 1, 2
 META = ("row", "column", "key_prefix", "shape", "world", "ranks", "tokens_per_rank", "routing", "zipf_exponent", "seed",
         "key")
@@ -72,12 +72,14 @@ def load_dump(json_path: str, npz_path: str | None = None) -> list[dict]:
             if missing:
                 raise DumpError(f"{npz_path}: entry {prefix} lacks arrays {missing}")
             arrays = {a: np.asarray(z[f"{prefix}.{a}"]) for a in ARRAYS}
+            staged = f"{prefix}.{STAGED}" in keys
+            arrays[STAGED] = np.asarray(z[f"{prefix}.{STAGED}"]) if staged else np.zeros_like(arrays["t_rs"])
             rk = f"{prefix}.rank"
             arrays["rank"] = np.asarray(z[rk]) if rk in keys else np.zeros_like(arrays["cta"])
             parts = e["column"].split("_")
             precision = e.get("precision") or (parts[1] if len(parts) == 3 else "?")
             entries.append({**{k: e.get(k) for k in META}, "precision": precision, "dtype": precision,
-                            "schedule": e.get("schedule") or parts[-1], "arrays": arrays})
+                            "schedule": e.get("schedule") or parts[-1], "staged": staged, "arrays": arrays})
     if not entries:
         raise DumpError(f"{json_path}: no dumped entries")
     return entries
@@ -109,13 +111,15 @@ def tile_table(a: dict, clock_ghz: float = DEFAULT_CLOCK_GHZ) -> dict:
     mainloop = (s["t_mma_end"] - s["t_data"]) * us
     epilogue = (s["t_end"] - s["t_mma_end"]) * us
     t_rs = s["t_rs"] / (clock_ghz * 1e3)
+    staging = s[STAGED] * us if STAGED in s else np.zeros_like(t_rs)
     full = full_tile_mask(s)
     same = (s["rank"][1:] == s["rank"][:-1]) & (s["cta"][1:] == s["cta"][:-1])
     i = np.nonzero((s["kind"][:-1] == L2) & same)[0]  # L2 tiles with a successor; j = i + 1
     j = i + 1
     return {"sorted": s, "wait": wait, "mainloop": mainloop, "epilogue": epilogue, "t_rs": t_rs, "full": full,
             "succ_i": i, "succ_j": j, "succ_kind": s["kind"][j], "t_rs_succ": t_rs[i], "cover_succ": mainloop[j],
-            "pred_succ": np.maximum(0.0, t_rs[i] - mainloop[j]), "wait_succ": wait[j],
+            "pred_succ": np.maximum(0.0, t_rs[i] - mainloop[j]), "wait_succ": wait[j], "staging_succ": staging[j],
+            "staging_wait": staging,
             "gap_succ": (s["t_entry"][j] - s["t_end"][i]) * us,
             "mma_idle_succ": (s["t_data"][j] - s["t_mma_end"][i]) * us}
 
@@ -146,6 +150,9 @@ def entry_summary(entry: dict, clock_ghz: float = DEFAULT_CLOCK_GHZ) -> dict:
     # Table 2's variant: the successor's kind's full-tile median mainloop instead of its own measured one
     pred_med = np.maximum(0.0, t["t_rs_succ"] - np.array([cover_med[k] for k in t["succ_kind"].tolist()]))
     tick = timer_tick_ns(a)
+    staged = bool(entry.get("staged"))
+    # measured stall: the staging wait where the dump has it, else (older kernels) the entry wait
+    meas = t["staging_succ"] if staged else t["wait_succ"]
     ep_ns = (a["t_end"] - a["t_mma_end"])[a["kind"] == L2]
     return {
         **{k: entry.get(k) for k in (*GROUP, "dtype", "schedule", "column")},
@@ -158,17 +165,19 @@ def entry_summary(entry: dict, clock_ghz: float = DEFAULT_CLOCK_GHZ) -> dict:
         "entry_wait_us": {"L1": _stats(t["wait"][l1]), "L2": _stats(t["wait"][l2])},
         "successor": {
             "cover_us": _stats(t["cover_succ"]), "pred_dt_us": _stats(t["pred_succ"]),
-            "pred_dt_fullmedian_cover_us": _stats(pred_med), "meas_wait_us": _stats(t["wait_succ"]),
-            "meas_wait_above_tick": float(np.mean(t["wait_succ"] * 1e3 > tick)) if t["succ_i"].size else None,
+            "pred_dt_fullmedian_cover_us": _stats(pred_med), "meas_wait_us": _stats(meas),
+            "meas_wait_above_tick": float(np.mean(meas * 1e3 > tick)) if t["succ_i"].size else None,
+            "meas_wait_is": "staging wait" if staged else "entry wait", "meas_entry_wait_us": _stats(t["wait_succ"]),
             "meas_wait_by_kind_us": {n: _stats(t["wait_succ"][t["succ_kind"] == k])
                                      for n, k in (("L1", L1), ("L2", L2))},
             "bookkeeping_gap_us": _stats(t["gap_succ"]), "mma_idle_between_mainloops_us": _stats(t["mma_idle_succ"]),
             "successor_l1_fraction": float(np.mean(t["succ_kind"] == L1)) if t["succ_i"].size else None},
-        "timer_tick_ns": tick,
+        "timer_tick_ns": tick, "staged": staged,
+        "staging_wait_us": {"L1": _stats(t["staging_wait"][l1]), "L2": _stats(t["staging_wait"][l2])},
         # T_RS sits inside the epilogue, so cycles / ns over the epilogue bounds the clock from below
         "clock_ghz_used": clock_ghz,
         "clock_ghz_lower_bound": (float((a["t_rs"][a["kind"] == L2] / np.maximum(ep_ns, 1)).max())
-                                  if ep_ns.size else None),
+                                  if ep_ns.size and not staged else None),
         "span_us": float((a["t_end"].max() - a["t_entry"].min()) * 1e-3),
         # emulated ranks own different experts: skewed routing loads them unevenly, the kernel waits for the last
         "rank_end_us": {int(r): float((a["t_end"][a["rank"] == r].max() - a["t_entry"].min()) * 1e-3)
@@ -256,8 +265,9 @@ def stall_markdown(table: dict, title: str = "") -> str:
             "T_mma L2 full", "L2 epilogue", "cover (succ.)", "Δt pred (eq. 15)", "succ. wait meas",
             "MMA idle L2→succ."]
     out = [f"# Per-tile stall test{': ' + title if title else ''}", "",
-           (f"Cells are wave / interleaved medians in µs; T_RS at {table['clock_ghz']} GHz. See the definitions "
-            "below: here the MMA warpgroups run their own epilogue, so the L2 epilogue is itself exposed."), "",
+           (f"Cells are wave / interleaved medians in µs; T_RS at {table['clock_ghz']} GHz. The measured stall is "
+            "the successor's staging wait (dumps before the staged epilogue: its entry wait). See the definitions "
+            "below."), "",
            "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
     def pair(r, get, nd=2):
@@ -283,9 +293,11 @@ def stall_markdown(table: dict, title: str = "") -> str:
     every = [s for r in table["rows"] for s in r["schedules"].values()]
     ticks = sorted({s["timer_tick_ns"] for s in every})
     bound = max((s["clock_ghz_lower_bound"] or 0) for s in every)
+    clock_note = (f"T_RS cycles over the epilogue's ns bound the clock from below at {bound:.2f} GHz. " if bound
+                  else "")
     out += ["", "(ρ is undefined, shown -, where one side is constant, e.g. every predicted median is 0.)", "",
             (f"globaltimer resolution in this dump: {ticks} ns, so a wait of one tick is zero within resolution; "
-            f"T_RS cycles over the epilogue's ns bound the clock from below at {bound:.2f} GHz. The successor "
+            f"{clock_note}The successor "
             "wait by the successor's kind (an L2 successor also waits for its row's Linear-1 tiles, which eq. 15 "
             "does not model) is in the JSON, meas_wait_by_kind_us."), "",
             "## Definitions", "", "```", table["definitions"], "```", ""]

@@ -212,3 +212,30 @@ def test_plots_and_cli(tmp_path):
         "x_timeline_tiny_bf16_64_skewed_P2_interleaved.png", "x_timeline_tiny_bf16_64_skewed_P2_wave.png"]
     saved = json.loads((out / "x_stall.json").read_text())
     assert saved["clock_ghz"] == 2 and saved["provenance"] == {"git_commit": "test"} and len(saved["rows"]) == 2
+
+
+def test_staged_dump_measures_the_successors_staging_wait(tmp_path):
+    """A dump of the staged epilogue (t_staging_wait present) takes each L2 tile's successor's staging wait as
+    the measured stall; an older dump (no such array) its entry wait, and says which."""
+    path = write_dump(tmp_path, name="staged")
+    with np.load(tmp_path / "staged.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    rng = np.random.default_rng(5)
+    waits = {}
+    for key in [k for k in arrays if k.endswith(".t_rs")]:
+        prefix = key[: -len(".t_rs")]
+        waits[prefix] = rng.integers(0, 3000, size=arrays[key].size).astype(np.int64)
+        arrays[f"{prefix}.t_staging_wait"] = waits[prefix]
+    np.savez(tmp_path / "staged.npz", **arrays)
+    staged = ma.load_dump(str(path))
+    assert all(e["staged"] for e in staged)
+    e = staged[0]
+    t = ma.tile_table(e["arrays"], CLOCK)
+    o = ma.stream_order(e["arrays"])
+    np.testing.assert_allclose(t["staging_succ"], waits[e["key_prefix"]][o][t["succ_j"]] * 1e-3)
+    summary = ma.entry_summary(e, CLOCK)
+    assert summary["successor"]["meas_wait_is"] == "staging wait"
+    assert summary["successor"]["meas_wait_us"]["mean"] == pytest.approx(float(t["staging_succ"].mean()))
+    assert summary["clock_ghz_lower_bound"] is None  # T_RS no longer sits inside the MMA side's epilogue
+    old = ma.entry_summary(ma.load_dump(str(write_dump(tmp_path, name="old")))[0], CLOCK)
+    assert old["successor"]["meas_wait_is"] == "entry wait" and not old["staged"]
