@@ -2,20 +2,19 @@
 
 The rule (issue 30, item 5): replay both orders with ``megamoe.simulate`` on the routing histogram expected at
 launch (every local expert at the mean rows, T * top_k * P / E: known without a host sync, the same for every
-routing of that token count) with this kernel's measured tile costs, and take the interleaved order only when
-it is predicted at least ``AUTO_MARGIN`` faster. The costs fold each tile's epilogue into its mainloop,
-because our MMA warpgroups store their own tiles (no separate epilogue role). With local stores (one GPU, or
-P ranks emulated on one) X-stage backpressure plays no part and what the replay sees is the dependency
-waits and the waves' ragged ends.
+routing of that token count) with measured tile costs, and take the order predicted at least ``AUTO_MARGIN``
+faster. The costs fold each tile's exposed epilogue into its mainloop. With local stores (one GPU, or P ranks
+emulated on one) X-stage backpressure plays no part and what the replay sees is the dependency waits and the
+waves' ragged ends.
 
-Evaluated (``python -m benchmarks.megamoe_auto RESULT.json``) on three bf16 runs of one H200: the regret of its
-pick against the better measured order is at most 2.6% (mean 0.4%) over the 36 rows of
-``megamoe_bf16_147e2d5.json`` (always-wave: 16%, always-interleaved: 5.4%), 2.4% over the 12 of
-``megamoe_bf16_23d93b3.json`` and 0.5% over the 12 of ``megamoe_dump_P2_147e2d5_rows.json``
-(``megamoe_auto_regret_*.json``). The margin changes no pick there (0 to 3% give the same): the replays are
-decisive where the orders differ. The costs are bf16's; W8A8 takes the same replay with its mainloops
-halved, which no measurement has checked yet. The first call of a token bucket replays both orders on the
-host (up to ~1 s at DSv4-Flash's 256 experts); later calls reuse the decision.
+Where neither replay is ``AUTO_MARGIN`` faster, ``tie_break`` decides: interleaved, except bf16 at world > 1.
+Evaluated (``python -m benchmarks.megamoe_auto RESULT.json [--dtype fp8]``) on the staged-epilogue kernel's
+grid (``megamoe_grid_916b5e8.json``: 3 shapes x 1024/4096/8192 tokens x balanced/skewed x world 1 and emulated
+2, one H200): the regret of its pick against the better measured order is at most 3.7% for bf16 (mean 0.4%;
+always-wave 27%, always-interleaved 9.9%) and 1.4% for W8A8 (mean 0.2%; always-interleaved 1.1%)
+(``megamoe_auto_regret_{bf16,fp8}_916b5e8.json``). The bf16 worst rows are near ties the replay cannot see
+(Qwen3-MoE at 1024 tokens, P = 2: 3.7%; DiT-MoE at 8192, world 1: 3.4%). The first call of a token bucket
+replays both orders on the host (up to ~1 s at DSv4-Flash's 256 experts); later calls reuse the decision.
 """
 from __future__ import annotations
 
@@ -28,7 +27,9 @@ AUTO_MARGIN = 0.01
 # This kernel's bf16 tile costs on one H200 (147e2d5, megamoe_dump_P2_147e2d5_summary.json): the mainloops run
 # at ~671 TFLOP/s over 132 SMs (DSv4-Flash L2 tiles: 13.2 us for 2 * 128 * 128 * 2048 FLOP); the epilogues,
 # which the MMA warpgroups run themselves, about 1.0 us (L1: SwiGLU, intermediate stores, the counter) and
-# 3.4 us (L2: staging plus the Combine's stores, T_RS 2.5-3.4 us).
+# 3.4 us (L2: staging plus the Combine's stores, T_RS 2.5-3.4 us). Kept after the staged epilogue (cb8aea6):
+# the costs measured then (~720 TFLOP/s bf16, W8A8 1.35x, epilogues 0.9 / 0.3 us) picked worse on the 916b5e8
+# grid (W8A8 max regret 6.8% against 1.4%; docs/FINDINGS.md, megamoe auto costs).
 MMA_TFLOPS_PER_SM = 671.0 / 132
 L1_EPILOGUE_US = 1.0
 L2_EPILOGUE_US = 3.4
@@ -64,11 +65,22 @@ def predicted_makespans(hidden: int, intermediate: int, num_experts: int, top_k:
                                         1).makespan_us}
 
 
+def tie_break(precision: str, world: int) -> str:
+    """The order taken when neither replay is ``margin`` faster (measured, 916b5e8, one H200, local stores):
+    interleaved, except bf16 at world > 1, where the ranks' doubled weight traffic (interleaving keeps fewer
+    experts' weights in L2) made the wave order up to 10% faster at 4096-8192 tokens."""
+    return "wave" if precision == "bf16" and world > 1 else "interleaved"
+
+
 def choose_schedule(hidden: int, intermediate: int, num_experts: int, top_k: int, world: int, tokens: int,
                     grid: int, precision: str = "bf16", margin: float = AUTO_MARGIN) -> str:
-    """"interleaved" if its replay is at least ``margin`` faster than the wave order's, else "wave"."""
+    """The order whose replay is at least ``margin`` faster than the other's, else ``tie_break``'s."""
     m = predicted_makespans(hidden, intermediate, num_experts, top_k, world, tokens, grid, precision)
-    return "interleaved" if m["interleaved"] < (1.0 - margin) * m["wave"] else "wave"
+    if m["interleaved"] < (1.0 - margin) * m["wave"]:
+        return "interleaved"
+    if m["wave"] < (1.0 - margin) * m["interleaved"]:
+        return "wave"
+    return tie_break(precision, world)
 
 
 def token_bucket(tokens: int) -> int:
