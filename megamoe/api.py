@@ -270,7 +270,9 @@ class MegaMoE:
         """Room for ``tiles_per_cta`` records per CTA (instrument=True); forward grows it as needed."""
         if self.instrument and tiles_per_cta > self.rec_cap:
             self.rec_cap = tiles_per_cta
-            self.records = torch.zeros(self.grid * tiles_per_cta * 8, dtype=torch.int64, device=self.device)
+            from megamoe.epilogue import REC_FIELDS
+
+            self.records = torch.zeros(self.grid * tiles_per_cta * REC_FIELDS, dtype=torch.int64, device=self.device)
 
     def resolve_schedule(self, tokens: int, schedule: str | None = None) -> str:
         """The order a launch of ``tokens`` runs: ``schedule`` or the layer's; "auto" asks megamoe.auto (once
@@ -324,12 +326,16 @@ class MegaMoE:
         cta, kind (1 = L1, 2 = L2), expert, m, n, sm, t_entry, t_data (first K block in: the wait at tile entry
         ends), t_mma_end, t_end (the tile staged for its store warp; globaltimer ns), t_staging_wait (ns the MMA
         side waited for the staging rows at the epilogue: the counterpart of the paper's tmem_empty wait) and
-        t_rs (L2: the store warp's span from issuing the Combine rows to their read-out, clock64 cycles)."""
+        t_rs (L2: the store warp's span from issuing the Combine rows to their read-out, clock64 cycles),
+        t_store_begin / t_store_end (globaltimer ns: the store warp took the staged rows / its wait for them
+        returned: read out for L2, written for L1)."""
         if not self.instrument:
             raise ValueError("build the layer with instrument=True to record tiles")
         import numpy as np
 
-        rec = self.records.view(self.grid, self.rec_cap, 8).cpu().numpy()
+        from megamoe.epilogue import REC_FIELDS
+
+        rec = self.records.view(self.grid, self.rec_cap, REC_FIELDS).cpu().numpy()
         used = rec[:, :, 4] != 0
         cta = np.nonzero(used)[0]
         r = rec[used]
@@ -337,7 +343,7 @@ class MegaMoE:
         return {"cta": cta, "slot": np.nonzero(used)[1], "kind": packed >> 56, "expert": (packed >> 40) & 0xFFFF,
                 "m": (packed >> 20) & 0xFFFFF, "n": packed & 0xFFFFF, "sm": r[:, 1], "t_entry": r[:, 2],
                 "t_data": r[:, 3], "t_mma_end": r[:, 4], "t_end": r[:, 5], "t_rs": r[:, 6],
-                "t_staging_wait": r[:, 7]}
+                "t_staging_wait": r[:, 7], "t_store_begin": r[:, 8], "t_store_end": r[:, 9]}
 
 
 class EmulatedMoE:

@@ -37,11 +37,14 @@ BLOCK_N = 128
 STAGE_ROW = BLOCK_N + 8  # bf16 elements from one staged row to the next (272 bytes)
 STAGING_THREADS = WG_THREADS + 32  # an MMA warpgroup and its store warp
 STORE_WARPS = 2
-# per-tile records (instrument): packed tile, smid, t_entry, t_data, t_mma_end, t_end (globaltimer ns), then T_RS
-# (clock64 cycles, written by the store warp) and the MMA side's staging wait (ns)
-REC_FIELDS = 8
+# per-tile records (instrument): packed tile, smid, t_entry, t_data, t_mma_end, t_end (globaltimer ns), T_RS
+# (clock64 cycles, the store warp's), the MMA side's staging wait (ns), then the store warp's globaltimer when
+# it took the staged rows and when its wait for them returned (read out for L2, written for L1)
+REC_FIELDS = 10
 REC_T_RS = 6
 REC_STAGING_WAIT = 7
+REC_STORE_BEGIN = 8
+REC_STORE_END = 9
 
 
 class StagedEpilogueMixin:
@@ -179,6 +182,7 @@ class StagedEpilogueMixin:
             cute.arch.barrier(barrier_id=NamedBarrierMoE.StagingFull + wg, number_of_threads=STAGING_THREADS)
             if const_expr(self.instrument):
                 ck0 = cute.arch.clock64()
+                g0 = cute.arch.globaltimer()
             for i in cutlass.range_constexpr(2):
                 if dst[i] != 0:
                     row = wg * 64 + lane + 32 * i
@@ -198,9 +202,13 @@ class StagedEpilogueMixin:
             else:
                 bulk_store.wait_read()
                 cute.arch.sync_warp()
-                if const_expr(self.instrument):
-                    if wg == 0 and lane == 0 and j < rec_cap:
-                        records[(Int64(bidx) * rec_cap + j) * REC_FIELDS + REC_T_RS] = Int64(cute.arch.clock64() - ck0)
+            if const_expr(self.instrument):
+                if wg == 0 and lane == 0 and j < rec_cap:
+                    base = (Int64(bidx) * rec_cap + j) * REC_FIELDS
+                    if kind == ts.KIND_L2:
+                        records[base + REC_T_RS] = Int64(cute.arch.clock64() - ck0)
+                    records[base + REC_STORE_BEGIN] = g0
+                    records[base + REC_STORE_END] = cute.arch.globaltimer()
             j = j + 1
             found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
                                                      self.n1, self.n2, E)

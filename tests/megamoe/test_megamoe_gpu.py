@@ -135,6 +135,9 @@ def test_instrumented_tile_order_is_the_schedule(seed, schedule):
         assert [t for _, t in sorted(got[c])] == list(want.streams[c]), f"CTA {c} ({schedule})"
     l2 = dump["kind"] == 2
     assert (dump["t_rs"][l2] > 0).all() and (dump["t_end"] >= dump["t_entry"]).all()
+    # the store warp takes a tile's rows only once its mainloop ended, and its wait returns after that
+    assert (dump["t_store_begin"] >= dump["t_mma_end"]).all()
+    assert (dump["t_store_end"] >= dump["t_store_begin"]).all() and (dump["t_staging_wait"] >= 0).all()
 
 
 def test_graph_replays_with_changing_inputs(seed):
