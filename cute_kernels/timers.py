@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass import Int32, Int64
 
 # Field order of one span record (Int64 each): start/end on both clocks.
 SPAN_FIELDS = ("gt_start", "gt_end", "ck_start", "ck_end")
@@ -32,3 +33,18 @@ def close_span(record: cute.Tensor, row, gt_start, ck_start) -> None:
     record[row, 1] = cute.arch.globaltimer()
     record[row, 2] = ck_start
     record[row, 3] = cute.arch.clock64()
+
+
+@cute.jit
+def now_after_barrier(word: cute.Tensor):
+    """``now()`` once a named barrier this thread just passed has completed. Hopper defers a barrier's blocking
+    (``BAR.SYNC.DEFER_BLOCKING``) to the warp's next memory access, so timer reads right after ``bar.sync`` run
+    before the barrier completes: a wait measured that way reads zero and a span started that way includes the
+    wait. Here the reads depend on a shared-memory load of ``word[0]``, a non-negative word (a count)."""
+    v = word[0]
+    gt = Int64(0)
+    ck = Int64(0)
+    if v != Int32(-1):
+        gt = cute.arch.globaltimer()
+        ck = cute.arch.clock64()
+    return gt, ck

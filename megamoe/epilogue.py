@@ -28,7 +28,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from quack import layout_utils
 
 from cute_kernels import flags as fl
-from cute_kernels import bulk_store
+from cute_kernels import bulk_store, timers
 from megamoe import tile_stream as ts
 from megamoe.phases import AMAX_FLOOR, FP8_MAX, WG_THREADS, NamedBarrierMoE
 
@@ -56,16 +56,18 @@ class StagedEpilogueMixin:
         return g * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-g, fastmath=True))
 
     @cute.jit
-    def staging_acquire(self, wg, j) -> Int64:
+    def staging_acquire(self, wg, j, probe) -> Int64:
         """Before writing tile ``j``'s rows: wait until the store warp has read the previous tile's out (the
-        first tile finds the staging free). Returns the wait in ns when instrumented."""
+        first tile finds the staging free). Returns the wait in ns when instrumented (``probe``: a count in
+        shared memory the timer read after the barrier depends on, ``timers.now_after_barrier``)."""
         waited = Int64(0)
         if j > 0:
             if const_expr(self.instrument):
                 t0 = cute.arch.globaltimer()
             cute.arch.barrier(barrier_id=NamedBarrierMoE.StagingFree + wg, number_of_threads=STAGING_THREADS)
             if const_expr(self.instrument):
-                waited = cute.arch.globaltimer() - t0
+                t1, _ = timers.now_after_barrier(probe)
+                waited = t1 - t0
         return waited
 
     @staticmethod
@@ -75,18 +77,18 @@ class StagedEpilogueMixin:
         cute.arch.barrier_arrive(barrier_id=NamedBarrierMoE.StagingFull + wg, number_of_threads=STAGING_THREADS)
 
     @cute.jit
-    def stage_l2(self, acc, staging, wg, j) -> Int64:
+    def stage_l2(self, acc, staging, wg, j, probe) -> Int64:
         """L2 tile: the fp32 accumulator as bf16 rows into the staging (stmatrix)."""
         st_atom, thr_c, tCsC = staging
         r_c = cute.make_fragment_like(acc, self.dtype)
         r_c.store(acc.load().to(self.dtype))
-        waited = self.staging_acquire(wg, j)
+        waited = self.staging_acquire(wg, j, probe)
         cute.copy(st_atom, thr_c.retile(r_c), tCsC)
         self.staging_commit(wg)
         return waited
 
     @cute.jit
-    def stage_l1(self, acc, acc_h, staging, wts, wg, j) -> Int64:
+    def stage_l1(self, acc, acc_h, staging, wts, wg, j, probe) -> Int64:
         """bf16 L1 tile: h = silu(gate) * up * weight in fp32 (gate and up are the tile's columns [0, 64) and
         [64, 128): this thread holds column c and c + 64), as bf16 rows of 64 into the staging."""
         st_atom, thr_h, tHsH = staging
@@ -100,13 +102,13 @@ class StagedEpilogueMixin:
                 h_mn[r, c] = self.silu(g) * acc_mn[r, c + half_cols] * w
         r_h = cute.make_fragment_like(acc_h, self.dtype)
         r_h.store(acc_h.load().to(self.dtype))
-        waited = self.staging_acquire(wg, j)
+        waited = self.staging_acquire(wg, j, probe)
         cute.copy(st_atom, thr_h.retile(r_h), tHsH)
         self.staging_commit(wg)
         return waited
 
     @cute.jit
-    def stage_l1_fp8(self, acc, wts, sQ, s_inter, p, n, rows_c, wg, j, tidx) -> Int64:
+    def stage_l1_fp8(self, acc, wts, sQ, s_inter, p, n, rows_c, wg, j, tidx, probe) -> Int64:
         """FP8 L1 tile: h in fp32, per row one 1 x 64 scale (the row's 64 columns are this thread's 16 and its
         quad's: two shuffles), h / scale as e4m3 into the staging (two adjacent columns per 16-bit write) and
         the scale straight to ``s_inter`` (published by the store warp's release)."""
@@ -116,7 +118,7 @@ class StagedEpilogueMixin:
         h = cute.make_rmem_tensor(cute.make_layout(half), Float32)
         pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         atom16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=16)
-        waited = self.staging_acquire(wg, j)
+        waited = self.staging_acquire(wg, j, probe)
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             amax = Float32(0.0)
             for c in cutlass.range_constexpr(half):
@@ -181,8 +183,7 @@ class StagedEpilogueMixin:
                                                      divby=BLOCK_N)).toint()
             cute.arch.barrier(barrier_id=NamedBarrierMoE.StagingFull + wg, number_of_threads=STAGING_THREADS)
             if const_expr(self.instrument):
-                ck0 = cute.arch.clock64()
-                g0 = cute.arch.globaltimer()
+                g0, ck0 = timers.now_after_barrier(s_ntok)
             for i in cutlass.range_constexpr(2):
                 if dst[i] != 0:
                     row = wg * 64 + lane + 32 * i

@@ -360,11 +360,11 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
             waited = Int64(0)
             if kind == ts.KIND_L1:
                 if const_expr(self.fp8):
-                    waited = self.stage_l1_fp8(acc, wts, sQ, scales[1], p, n, rows_c, wg, j, tidx)
+                    waited = self.stage_l1_fp8(acc, wts, sQ, scales[1], p, n, rows_c, wg, j, tidx, s_ntok)
                 else:
-                    waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j)
+                    waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j, s_ntok)
             else:
-                waited = self.stage_l2(acc, staging_c, wg, j)
+                waited = self.stage_l2(acc, staging_c, wg, j, s_ntok)
             if const_expr(self.instrument):
                 if tidx == 0:
                     if j < rec_cap:
