@@ -272,26 +272,21 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
 
     # ---------------------------------------------------------------- phase 3: the MMA warpgroups
     @cute.jit
-    def mainloop(self, mma, acc, tCrA, tCrB, pipe, state, n_kb, active):
-        """acc = A B over ``n_kb`` K blocks; one WGMMA group in flight, each stage released once read. A warpgroup
-        whose 64 rows are all past its expert's tokens (``active`` false: the tail block of an expert with at
-        most 64 rows in it) issues no WGMMA, so the other one has the Tensor Cores; it still takes part in the
-        pipeline. Returns the state and (instrument) when the first K block had arrived: the MMA side's wait
-        at tile entry."""
+    def mainloop(self, mma, acc, tCrA, tCrB, pipe, state, n_kb):
+        """acc = A B over ``n_kb`` K blocks; one WGMMA group in flight, each stage released once read. Returns
+        the state and (instrument) when the first K block had arrived: the MMA side's wait at tile entry."""
         pipe.consumer_wait(state)
         t_data = Int64(0)
         if const_expr(self.instrument):
             t_data = cute.arch.globaltimer()
-        if active:
-            sm90_utils.gemm_w_idx(mma, acc, tCrA, tCrB, zero_init=True, A_idx=state.index, B_idx=state.index,
-                                  wg_wait=-1)
+        sm90_utils.gemm_w_idx(mma, acc, tCrA, tCrB, zero_init=True, A_idx=state.index, B_idx=state.index,
+                              wg_wait=-1)
         prev = state.clone()
         state.advance()
         for _ in cutlass.range(n_kb - 1, unroll=1):
             pipe.consumer_wait(state)
-            if active:
-                sm90_utils.gemm_w_idx(mma, acc, tCrA, tCrB, zero_init=False, A_idx=state.index, B_idx=state.index,
-                                      wg_wait=1)
+            sm90_utils.gemm_w_idx(mma, acc, tCrA, tCrB, zero_init=False, A_idx=state.index, B_idx=state.index,
+                                  wg_wait=1)
             pipe.consumer_release(prev)
             prev = state.clone()
             state.advance()
@@ -348,13 +343,11 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
             if kind == ts.KIND_L1:  # the router weights, loaded before the mainloop hides their latency
                 for r in cutlass.range_constexpr(cute.size(wts)):
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
-            # this warpgroup's rows hold tokens (else its WGMMAs are skipped; its outputs are never stored)
-            active = s_ntok[e] - m * BLOCK_M > wg * 64
             if const_expr(self.fp8):
                 state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, n_kb, kind, e, n,
-                                                       p, arow, rows_c, scales, active)
+                                                       p, arow, rows_c, scales, l1_done)
             else:
-                state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb, active)
+                state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
             if const_expr(self.instrument):
                 t_mma = cute.arch.globaltimer()
             waited = Int64(0)
@@ -410,7 +403,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
 
     @cute.jit
     def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, n_kb, kind, e, n, p, arow, rows_c,
-                          scales, active):
+                          scales, l1_done):
         """acc = the tile's fp32 product over its 128-wide K blocks. Each block's WGMMAs go in two halves into two
         fresh accumulators ``blks``; the first half is promoted (times its activation and weight scales) while
         the second half's WGMMA runs, then the second. L1: both halves take the block's activation scale of the
@@ -444,29 +437,26 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
             if const_expr(self.instrument):
                 if kb == 0:
                     t_data = cute.arch.globaltimer()
-            if active:  # (as in ``mainloop``: a warpgroup of no tokens' rows issues nothing)
-                self.wgmma_k(mma, blk_a, tCrA, tCrB, state.index, 0, ksteps // 2)
-                self.wgmma_k(mma, blk_b, tCrA, tCrB, state.index, ksteps // 2, ksteps)
-                sb_lo = Float32(0.0)
-                sb_hi = Float32(0.0)
-                if kind == ts.KIND_L1:  # loads under the WGMMAs
-                    for r in cutlass.range_constexpr(rows):
-                        sa_a[r] = s_pool[arow[r] * (H // 128) + kb]
-                        sa_b[r] = sa_a[r]
-                    sb_lo = s_w1[lo + kb]
-                    sb_hi = s_w1[hi + kb]
-                else:
-                    for r in cutlass.range_constexpr(rows):
-                        sa_a[r] = s_inter[arow[r] * (I // 64) + 2 * kb]
-                        sa_b[r] = s_inter[arow[r] * (I // 64) + 2 * kb + 1]
-                    sb_lo = s_w2[lo + kb]
-                    sb_hi = sb_lo
-                warpgroup.wait_group(1)
-                self.promote(acc, blk_a, sa_a, sb_lo, sb_hi)
-                warpgroup.wait_group(0)
-                pipe.consumer_release(state)
-                self.promote(acc, blk_b, sa_b, sb_lo, sb_hi)
+            self.wgmma_k(mma, blk_a, tCrA, tCrB, state.index, 0, ksteps // 2)
+            self.wgmma_k(mma, blk_b, tCrA, tCrB, state.index, ksteps // 2, ksteps)
+            sb_lo = Float32(0.0)
+            sb_hi = Float32(0.0)
+            if kind == ts.KIND_L1:  # loads under the WGMMAs
+                for r in cutlass.range_constexpr(rows):
+                    sa_a[r] = s_pool[arow[r] * (H // 128) + kb]
+                    sa_b[r] = sa_a[r]
+                sb_lo = s_w1[lo + kb]
+                sb_hi = s_w1[hi + kb]
             else:
-                pipe.consumer_release(state)
+                for r in cutlass.range_constexpr(rows):
+                    sa_a[r] = s_inter[arow[r] * (I // 64) + 2 * kb]
+                    sa_b[r] = s_inter[arow[r] * (I // 64) + 2 * kb + 1]
+                sb_lo = s_w2[lo + kb]
+                sb_hi = sb_lo
+            warpgroup.wait_group(1)
+            self.promote(acc, blk_a, sa_a, sb_lo, sb_hi)
+            warpgroup.wait_group(0)
+            pipe.consumer_release(state)
+            self.promote(acc, blk_b, sa_b, sb_lo, sb_hi)
             state.advance()
         return state, t_data
