@@ -1,32 +1,36 @@
-"""MegaMoEForward: one persistent Hopper kernel for an expert-parallel MoE layer (bf16): Dispatch, Linear-1
-with SwiGLU x router weight, Linear-2, Combine (xstage-paper sections 2.2, 4.2, 5.2; issue 28).
+"""MegaMoEForward: one persistent Hopper kernel for an expert-parallel MoE layer (bf16 or FP8 W8A8): Dispatch,
+Linear-1 with SwiGLU x router weight, Linear-2, Combine (xstage-paper sections 2.2, 4.2, 5.2; issue 28).
 
 One CTA per SM (at most SMs / P per emulated rank), 3 warpgroups. The launch runs four phases:
 1. **Count** (all threads): every routed (token, k) of this rank takes a slot of its expert on the owner
    rank (a system-scope atomic on the owner's symmetric ``counts``). Grid-wide, cross-rank barrier B1.
 2. **Dispatch** (all threads, one warp per (token, k)): from every owner's counts, each expert's rows start at
    a 128-row boundary of the owner's pool (``row_off``: the scheduler rows of ``megamoe.schedule``); the warp
-   pushes the token row there with 128-bit stores, plus its source (rank, token, k) and router weight.
-   Barrier B2. Pushing (not pulling) keeps every NVLink transfer a store, the kind the X-stage model covers.
+   pushes the token row there with 128-bit stores (W8A8: quantized on the way, 1 x 128 scales), plus its
+   source (rank, token, k) and router weight. Barrier B2. Pushing (not pulling) keeps every NVLink transfer a
+   store, the kind the X-stage model covers.
 3. **Expert GEMMs** (warp-specialized): warp 0 issues the TMA loads of A (pool rows or intermediate rows) and
    B (weights) into a ``ab_stages``-deep pipeline; the two MMA warpgroups (64 rows each of a 128 x 128 tile)
-   run WGMMA and their own epilogue. Both walk the same tile stream (``megamoe.tile_stream``: the expert-wave
-   order or Algorithm 1, chosen at launch). L1 tile (row p, N block n): gate and up are the 64 + 64 columns of
-   the interleaved weight block (``MegaMoE.load_weights``), h = silu(gate) * up * weight goes to the local
-   intermediate (bf16), then a release-add on ``l1_done[p]``. L2 tile: the producer waits (bounded) until
-   ``l1_done[p]`` counts every L1 half-tile of the row; the epilogue stores each bf16 row straight into its
-   source rank's symmetric combine buffer (slot token * top_k + k): the Combine's remote stores, issued by the
-   MMA warpgroup that owns them, which then goes on to its next mainloop while they drain (the X-stage).
-4. **Combine**: barrier B3 (every rank's L2 stores performed), then y[t] = sum_k combine[t, k] (fp32 sum).
+   run WGMMA, then stage their rows in shared memory for their store warps (warps 1 and 2) and go on to the
+   next mainloop (``megamoe.epilogue``). All of them walk the same tile stream (``megamoe.tile_stream``: the
+   expert-wave order or Algorithm 1, chosen at launch). L1 tile (row p, N block n): gate and up are the
+   64 + 64 columns of the interleaved weight block (``MegaMoE.load_weights``); h = silu(gate) * up * weight
+   goes to the local intermediate, then a release-add on ``l1_done[p]``. L2 tile: the producer waits
+   (bounded) until ``l1_done[p]`` counts every L1 half-tile of the row; the store warp sends each bf16 row
+   straight into its source rank's symmetric combine buffer (slot token * top_k + k): the Combine's remote
+   stores, which drain while the MMA warpgroups run the next mainloop (the X-stage).
+4. **Combine**: the store warps' last rows written, barrier B3 (every rank's L2 stores performed), then
+   y[t] = sum_k combine[t, k] (fp32 sum).
 
 Every wait is bounded (``cute_kernels.flags``): on timeout the error word names it and the kernel goes on.
 Cross-launch safety without host resets: ``counts`` is double-buffered by the launch epoch's parity (the
 other half is zeroed before B1), the barrier counter is monotone (targets from the epoch), ``l1_done`` is
 zeroed before B1, and the last CTA advances the device epoch.
 
-``instrument``: one record per tile (``REC_FIELDS`` Int64): packed (kind, expert, m, n), SM, globaltimer at
-tile entry, when its first K block arrived (the MMA side's wait at tile entry), mainloop end, store end
-(clock64 span of the epilogue's stores: T_RS for L2 tiles). Compiled out otherwise.
+``instrument``: one record per tile (``megamoe.epilogue.REC_FIELDS`` Int64): packed (kind, expert, m, n), SM,
+globaltimer at tile entry, when its first K block arrived (the MMA side's wait at tile entry), mainloop end,
+rows staged; the MMA side's wait for the staging rows; the store warp's T_RS (clock64, L2) and its
+globaltimer when it took the rows and when its wait for them returned. Compiled out otherwise.
 """
 from __future__ import annotations
 
