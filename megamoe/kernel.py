@@ -224,9 +224,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
                                 l1_done, world, max_tokens, rec_cap, warp_idx - 1, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
-            self.mma(mInter, pool_src, pool_w, peer_ptrs, records, scales, storage, (sA_layout, sB_layout, sC_layout,
-                     sH_layout), mma, mma_half, pipe, walk, s_ntok, l1_done, world, max_tokens, rec_cap,
-                     tidx - WG_THREADS)
+            self.mma(pool_w, records, scales, storage, (sA_layout, sB_layout, sC_layout, sH_layout), mma, mma_half,
+                     pipe, walk, s_ntok, rec_cap, tidx - WG_THREADS)
             self.stores_done()
             self.finish(mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, (e_launch * 3 + 3) * arrivals,
                         e_launch, world, timeout_ns, tidx - WG_THREADS, bidx, grid)
@@ -299,8 +298,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
         return state, t_data
 
     @cute.jit
-    def mma(self, mInter, pool_src, pool_w, peer_ptrs, records, scales, storage, layouts, mma, mma_half, pipe, walk,
-            s_ntok, l1_done, world, max_tokens, rec_cap, tidx):
+    def mma(self, pool_w, records, scales, storage, layouts, mma, mma_half, pipe, walk, s_ntok, rec_cap, tidx):
         """The two MMA warpgroups: per tile of the walk its mainloop, then each warpgroup stages its 64 rows for
         its store warp (L1: SwiGLU x weight; L2: the bf16 rows of the Combine) and goes on (megamoe.epilogue)."""
         sA_layout, sB_layout, sC_layout, sH_layout = layouts
@@ -349,7 +347,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
             if const_expr(self.fp8):
                 state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, n_kb, kind, e, n,
-                                                       p, arow, rows_c, scales, l1_done)
+                                                       p, arow, rows_c, scales)
             else:
                 state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
             if const_expr(self.instrument):
@@ -407,7 +405,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
 
     @cute.jit
     def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, n_kb, kind, e, n, p, arow, rows_c,
-                          scales, l1_done):
+                          scales):
         """acc = the tile's fp32 product over its 128-wide K blocks. Each block's WGMMAs go in two halves into two
         fresh accumulators ``blks``; the first half is promoted (times its activation and weight scales) while
         the second half's WGMMA runs, then the second. L1: both halves take the block's activation scale of the
