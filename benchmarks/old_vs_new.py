@@ -4,8 +4,9 @@ refactor owes where an instruction of a kernel legitimately moved (benchmarks.sa
     python -m benchmarks.old_vs_new --prepare 43e424d        # here (git, no GPU): .oldtree/old_flash_a2a, ...
     PYTHONPATH=$PWD:$PWD/.oldtree python -m benchmarks.old_vs_new --out J [--shapes 1x8192x3 ...]   # the GPU
 
-``--prepare`` exports the commit's ``flash_a2a`` and ``cute_kernels`` into ``.oldtree/`` as ``old_flash_a2a``
-and ``old_cute_kernels`` (their imports renamed), so both versions import in one process. The run times FA-only
+``--prepare`` exports the commit's ``flash_a2a``, ``megamoe`` and ``cute_kernels`` into ``.oldtree/`` as ``old_*``
+(their imports renamed), so both versions import in one process (``benchmarks.megamoe_old_vs_new`` times the
+MegaMoE layers the same way). The run times FA-only
 (``flash_attention`` at its defaults, in the fused kernel's tile order for 2 ranks, as the benchmark's FA-only
 column does) of both by CUDA-Graph replay: interleaved rounds in a fresh order each round, and adjacent-launch
 pairs in alternating order (old, new; new, old) whose median difference is the verdict; an old-against-old pair
@@ -23,7 +24,7 @@ import sys
 import tarfile
 
 OLD_DIR = ".oldtree"
-PACKAGES = ("flash_a2a", "cute_kernels")
+PACKAGES = ("flash_a2a", "megamoe", "cute_kernels")  # every kernel package (benchmarks.megamoe_old_vs_new uses megamoe)
 # split shapes (the tail launch moved) and unsplit ones (byte-identical: a control), bf16, d = 128 and 64
 DEFAULT_SHAPES = ("1x8192x3", "1x16384x12", "1x32768x12", "1x16384x3", "1x8192x12", "1x8192x3x64")
 
@@ -41,6 +42,8 @@ def prepare(commit: str, into: str = OLD_DIR) -> str:
             path = os.path.join(into, "old_" + member.name)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
+                # the old copy's custom ops under their own namespace (one name cannot be defined twice)
+                text = text.replace('"xstage::', '"xstage_old::').replace("torch.ops.xstage.", "torch.ops.xstage_old.")
                 f.write(pattern.sub(lambda m: "old_" + m.group(1), text))
     with open(os.path.join(into, "COMMIT"), "w") as f:
         f.write(commit + "\n")

@@ -12,7 +12,8 @@
 #   clocks          SM clock and power under FA-only and flash-attn-4 (python -m benchmarks.fa_clocks)
 #   variants NAME   FA-only beside the set in benchmarks/variants/NAME.json (or a path to one)
 #   compare         an older commit's FA-only beside this tree's, one process (python -m benchmarks.old_vs_new;
-#                   prepare .oldtree here with --prepare COMMIT and carry it)
+#                   prepare .oldtree here with --prepare COMMIT and carry it); COMPARE_WHAT=moe: its MegaMoE
+#                   instead (python -m benchmarks.megamoe_old_vs_new, W8A8 and bf16 at 8192 tokens, world 1)
 #   moe             xstage bench megamoe, every column (bf16 and W8A8, both orders, the unfused paths), then
 #                   schedule="auto"'s regret on it (python -m benchmarks.megamoe_auto)
 #   moedump         the matrix with --dump at emulated P = 2, 8192 tokens (dsv4-flash, qwen3-moe, dit-moe; bf16
@@ -64,8 +65,13 @@ stage_variants() {  # a set's FA-only columns (its fused ones need a peer): 8 ro
 stage_compare() {  # old against new by adjacent pairs, with an old-against-old noise column
   needs 1 420
   [ -n "$DRY_RUN" ] || [ -f .oldtree/COMMIT ] || skip "no .oldtree (python -m benchmarks.old_vs_new --prepare COMMIT, then carry .oldtree)"
-  logged env PYTHONPATH="$PYTHONPATH:$REPO/.oldtree" python3 -m benchmarks.old_vs_new --out "$W/old_vs_new.json" \
-    "${ARGS[@]}"
+  if [ "${COMPARE_WHAT:-fa}" = moe ]; then
+    logged env PYTHONPATH="$PYTHONPATH:$REPO/.oldtree" python3 -m benchmarks.megamoe_old_vs_new \
+      --out "$W/megamoe_old_vs_new.json" "${ARGS[@]}"
+  else
+    logged env PYTHONPATH="$PYTHONPATH:$REPO/.oldtree" python3 -m benchmarks.old_vs_new --out "$W/old_vs_new.json" \
+      "${ARGS[@]}"
+  fi
 }
 stage_moe() {  # 36 rows x 6 columns; the regret tool needs no GPU
   needs 1 420

@@ -1,0 +1,143 @@
+"""An older commit's MegaMoE beside this tree's, timed side by side in one process on one GPU (world size 1):
+the check a kernel experiment owes before it lands (or is written up and dropped, docs/FINDINGS.md).
+
+    python -m benchmarks.old_vs_new --prepare COMMIT        # here (git, no GPU): .oldtree/old_megamoe, ...
+    PYTHONPATH=$PWD:$PWD/.oldtree python -m benchmarks.megamoe_old_vs_new --out J [--cases ...]   # the GPU
+
+Each case builds both layers with the same seeded weights, tokens and routing, checks both outputs against
+each other (``identical_output``: bit for bit, which a change of schedule-free arithmetic keeps; otherwise
+their max difference over max |y|), and times them by CUDA-Graph replay: interleaved rounds in a fresh order
+each round, and adjacent-launch pairs in alternating order (old, new; new, old) whose median difference is the
+verdict, with an old-against-old pair set for the run's noise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from benchmarks.old_vs_new import OLD_DIR
+
+DTYPES = ("bf16", "w8a8")
+SCHEDULES = ("wave", "interleaved")
+# the rows issue 28's W8A8 target is judged at, and one bf16 control
+DEFAULT_CASES = ("qwen3-moe:8192:balanced:w8a8:interleaved", "dsv4-flash:8192:balanced:w8a8:interleaved",
+                 "dit-moe:8192:balanced:w8a8:wave", "qwen3-moe:8192:balanced:bf16:interleaved")
+
+
+def parse_case(spec: str) -> dict:
+    """SHAPE:TOKENS:ROUTING:DTYPE[:SCHEDULE] (a benchmarks.megamoe preset; schedule default interleaved)."""
+    from benchmarks.megamoe import PRESETS
+
+    parts = spec.split(":")
+    if len(parts) not in (4, 5):
+        raise argparse.ArgumentTypeError(f"a case is SHAPE:TOKENS:ROUTING:DTYPE[:SCHEDULE], got {spec!r}")
+    shape, tokens, routing, dtype, schedule = (*parts, "interleaved")[:5]
+    if shape not in PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown shape {shape!r}: one of {', '.join(PRESETS)}")
+    if not tokens.isdigit() or int(tokens) < 1:
+        raise argparse.ArgumentTypeError(f"tokens must be a positive integer, got {tokens!r}")
+    if dtype not in DTYPES or schedule not in SCHEDULES:
+        raise argparse.ArgumentTypeError(f"dtype one of {DTYPES}, schedule one of {SCHEDULES}: got {spec!r}")
+    if routing not in ("balanced", "skewed", "one_expert"):
+        raise argparse.ArgumentTypeError(f"routing balanced, skewed or one_expert, got {routing!r}")
+    return {"shape": shape, "tokens": int(tokens), "routing": routing, "dtype": dtype, "schedule": schedule}
+
+
+def run(args) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.megamoe import PRESETS, make_weights, row_seed
+    from benchmarks.timing import alternated_excess, capture_graph, measure_rounds
+    from cute_kernels.dist import process_group
+    from cute_kernels.runtime import provenance
+    from megamoe.reference import make_routing
+
+    try:
+        from old_megamoe.api import MegaMoE as OldMoE
+    except ImportError as e:
+        raise SystemExit(f"old_megamoe does not import ({e}): put {args.old} on PYTHONPATH") from e
+    from megamoe.api import MegaMoE as NewMoE
+
+    with open(os.path.join(args.old, "COMMIT")) as f:
+        old_commit = f.read().strip()
+    print(f"seed={args.seed}")
+    rows = []
+    with process_group(0, 1, os.path.join(args.tmp, "pg")):
+        group = dist.group.WORLD
+        for case in args.cases:
+            preset = PRESETS[case["shape"]]
+            seed = row_seed(args.seed, preset.name, 1, case["tokens"], case["routing"])
+            w1, w2 = make_weights(preset, seed, "cuda")
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            x = torch.randn(case["tokens"], preset.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+            idx, wts = make_routing(case["tokens"], preset.num_experts, preset.top_k, case["routing"], seed, "cuda")
+            dtype = torch.bfloat16 if case["dtype"] == "bf16" else torch.float8_e4m3fn
+            layers = {}
+            for name, cls in (("old", OldMoE), ("new", NewMoE)):
+                layers[name] = cls(None, preset.num_experts, preset.top_k, preset.hidden, preset.intermediate,
+                                   dtype=dtype, schedule=case["schedule"], max_tokens_per_rank=case["tokens"])
+                layers[name].load_weights(w1, w2)
+            del w1, w2
+            outs = {n: torch.empty_like(x) for n in layers}
+
+            def call(n):
+                return lambda: outs[n].copy_(layers[n].forward(x, idx, wts))
+
+            calls = {n: call(n) for n in layers}
+            for fn in calls.values():
+                fn()
+            torch.cuda.synchronize()
+            ref = outs["old"].float()
+            diff = float((outs["new"].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+            same = bool(torch.equal(outs["old"], outs["new"]))
+            columns = {n: (fn, capture_graph(fn, args.calls_per_graph, group)[0]) for n, fn in calls.items()}
+            medians, _ = measure_rounds(columns, args.calls_per_graph, args.replays, group)
+            one = {n: capture_graph(fn, 1, group)[0] for n, fn in calls.items()}
+            pairs = alternated_excess(one["old"].replay, one["new"].replay, args.pairs, group)
+            noise = alternated_excess(one["old"].replay, capture_graph(calls["old"], 1, group)[0].replay,
+                                      args.pairs, group)
+            rows.append({**case, "seed": seed, "old_us": medians["old"], "new_us": medians["new"],
+                         "new_minus_old_us": pairs, "old_minus_old_us": noise, "identical_output": same,
+                         "max_rel_diff": diff})
+            print(f"{case['shape']} {case['tokens']} {case['routing']} {case['dtype']} {case['schedule']}: old "
+                  f"{medians['old']:.0f} new {medians['new']:.0f} µs; new-old by pairs {pairs['median_us']:+.1f} "
+                  f"[{pairs['q1_us']:+.1f}, {pairs['q3_us']:+.1f}], A/A {noise['median_us']:+.1f}; same bits: "
+                  f"{same} (max rel diff {diff:.1e})", flush=True)
+            del layers, columns, one
+            torch.cuda.empty_cache()
+    return {"provenance": provenance(" ".join(sys.argv)), "old_commit": old_commit, "rows": rows,
+            "method": f"world size 1; {args.replays} interleaved rounds of {args.calls_per_graph}-call graphs; "
+                      f"{args.pairs} alternating adjacent pairs of one-call graph replays (new - old, and old - "
+                      "old as noise); outputs copied out of the layer inside each call, in both columns"}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.megamoe_old_vs_new", description=__doc__.split("\n")[0])
+    p.add_argument("--old", default=OLD_DIR, help="the exported tree (python -m benchmarks.old_vs_new --prepare)")
+    p.add_argument("--out", required=True, help="result JSON")
+    p.add_argument("--cases", nargs="+", type=parse_case, default=[parse_case(c) for c in DEFAULT_CASES],
+                   help="SHAPE:TOKENS:ROUTING:DTYPE[:SCHEDULE] (default: " + " ".join(DEFAULT_CASES) + ")")
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--calls-per-graph", type=int, default=2)
+    p.add_argument("--pairs", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tmp", default="/tmp")
+    args = p.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.old, "COMMIT")):
+        p.error(f"{args.old} holds no exported commit: run python -m benchmarks.old_vs_new --prepare COMMIT first "
+                f"and carry {args.old}")
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("needs a GPU (this compares two kernels' times)")
+    result = run(args)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
