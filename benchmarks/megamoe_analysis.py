@@ -15,6 +15,9 @@ warpgroup's view of the tile, except t_rs):
              sending the previous tile's (the Hopper counterpart of the paper's tmem_empty wait);
   t_rs       L2: clock64 cycles of the store warp from issuing the first warpgroup's 64 Combine rows (bulk row
              copies) to their read-out of shared memory: the sender-visible T_RS.
+  phase_stamps  per CTA (not per tile): globaltimer at its start, B1 and B2 passed, the walk done, the store
+             warps' last rows written, B3 passed, its sums done; ``phases_us`` gives each span's median and max
+             over CTAs (count_b1, dispatch_b2, tiles, stores_drain, b3_wait, combine_sum) and the kernel's span.
 Dumps of kernels before the staged epilogue (cb8aea6) lack t_staging_wait: there the MMA warpgroups issued the
 stores themselves, t_rs sat inside the epilogue (t_end - t_mma_end) and the exposed cost was the whole epilogue.
 Per L2 tile i and its successor j (the next slot of the same CTA of the same rank) the stall table computes
@@ -38,6 +41,12 @@ import numpy as np
 DEFAULT_CLOCK_GHZ = 1.98  # SM clock under load on the H200 (benchmarks.spans); this dump cannot calibrate it
 ARRAYS = ("cta", "slot", "kind", "expert", "m", "n", "sm", "t_entry", "t_data", "t_mma_end", "t_end", "t_rs")
 STAGED = "t_staging_wait"  # dumped since the staged epilogue (cb8aea6); older dumps: zeros, ``staged`` False
+PHASE_STAMPS = "phase_stamps"  # (CTAs of every rank, megamoe.epilogue.PHASES), dumped since this module's phases
+PHASE_NAMES = ("start", "b1", "b2", "walk_end", "stores_done", "b3", "sum_end")  # megamoe.epilogue.PHASES' order
+# what each phase span is: from the first stamp to the second
+PHASE_SPANS = (("count_b1", "start", "b1"), ("dispatch_b2", "b1", "b2"), ("tiles", "b2", "walk_end"),
+               ("stores_drain", "walk_end", "stores_done"), ("b3_wait", "stores_done", "b3"),
+               ("combine_sum", "b3", "sum_end"))
 L1, L2 = 1, 2
 META = ("row", "column", "key_prefix", "shape", "world", "ranks", "tokens_per_rank", "routing", "zipf_exponent", "seed",
         "key")
@@ -74,6 +83,8 @@ def load_dump(json_path: str, npz_path: str | None = None) -> list[dict]:
             arrays = {a: np.asarray(z[f"{prefix}.{a}"]) for a in ARRAYS}
             staged = f"{prefix}.{STAGED}" in keys
             arrays[STAGED] = np.asarray(z[f"{prefix}.{STAGED}"]) if staged else np.zeros_like(arrays["t_rs"])
+            if f"{prefix}.{PHASE_STAMPS}" in keys:
+                arrays[PHASE_STAMPS] = np.asarray(z[f"{prefix}.{PHASE_STAMPS}"])
             rk = f"{prefix}.rank"
             arrays["rank"] = np.asarray(z[rk]) if rk in keys else np.zeros_like(arrays["cta"])
             parts = e["column"].split("_")
@@ -86,6 +97,19 @@ def load_dump(json_path: str, npz_path: str | None = None) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- per tile
+def phase_spans(stamps) -> dict | None:
+    """Median and max over CTAs of each phase span (us) from a dump's phase stamps, and the kernel's span from
+    the first CTA's start to the last one's sums; None for a dump without them."""
+    if stamps is None or np.asarray(stamps).size == 0:
+        return None
+    st = np.asarray(stamps, dtype=np.int64)[:, : len(PHASE_NAMES)]
+    col = {n: st[:, i] for i, n in enumerate(PHASE_NAMES)}
+    out = {name: {"median_us": float(np.median(col[b] - col[a]) * 1e-3), "max_us": float((col[b] - col[a]).max() * 1e-3)}
+           for name, a, b in PHASE_SPANS}
+    out["kernel_us"] = float((col["sum_end"].max() - col["start"].min()) * 1e-3)
+    return out
+
+
 def stream_order(a: dict) -> np.ndarray:
     """Indices sorting the tiles by (rank, cta, slot): each CTA's stream in the order it ran them."""
     return np.lexsort((a["slot"], a["cta"], a["rank"]))
@@ -105,7 +129,7 @@ def tile_table(a: dict, clock_ghz: float = DEFAULT_CLOCK_GHZ) -> dict:
     """Per-tile derived quantities (us) in stream order, and for each L2 tile with a successor in its CTA the
     (a)-(d) of the module docstring. Keys ending in _succ are indexed by the L2 tiles that have a successor."""
     o = stream_order(a)
-    s = {k: v[o] for k, v in a.items()}
+    s = {k: v[o] for k, v in a.items() if k != PHASE_STAMPS}  # (the stamps are per CTA, not per tile)
     us = 1e-3
     wait = (s["t_data"] - s["t_entry"]) * us
     mainloop = (s["t_mma_end"] - s["t_data"]) * us
@@ -135,7 +159,7 @@ def _stats(x) -> dict:
 def timer_tick_ns(a: dict) -> int:
     """The globaltimer's resolution as dumped: the gcd of the timestamps' offsets (32 ns on the H200 here),
     which is the floor every measured wait sits on."""
-    t = np.concatenate([a[k] for k in ("t_entry", "t_data", "t_mma_end", "t_end")])
+    t = np.concatenate([np.asarray(a[k]).ravel() for k in ("t_entry", "t_data", "t_mma_end", "t_end")])
     return int(np.gcd.reduce(t - t.min())) if t.size > 1 else 0
 
 
@@ -172,7 +196,7 @@ def entry_summary(entry: dict, clock_ghz: float = DEFAULT_CLOCK_GHZ) -> dict:
                                      for n, k in (("L1", L1), ("L2", L2))},
             "bookkeeping_gap_us": _stats(t["gap_succ"]), "mma_idle_between_mainloops_us": _stats(t["mma_idle_succ"]),
             "successor_l1_fraction": float(np.mean(t["succ_kind"] == L1)) if t["succ_i"].size else None},
-        "timer_tick_ns": tick, "staged": staged,
+        "timer_tick_ns": tick, "staged": staged, "phases_us": phase_spans(a.get(PHASE_STAMPS)),
         "staging_wait_us": {"L1": _stats(t["staging_wait"][l1]), "L2": _stats(t["staging_wait"][l2])},
         # T_RS sits inside the epilogue, so cycles / ns over the epilogue bounds the clock from below
         "clock_ghz_used": clock_ghz,

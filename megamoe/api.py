@@ -270,9 +270,11 @@ class MegaMoE:
         """Room for ``tiles_per_cta`` records per CTA (instrument=True); forward grows it as needed."""
         if self.instrument and tiles_per_cta > self.rec_cap:
             self.rec_cap = tiles_per_cta
-            from megamoe.epilogue import REC_FIELDS
+            from megamoe.epilogue import PHASE_FIELDS, REC_FIELDS
 
-            self.records = torch.zeros(self.grid * tiles_per_cta * REC_FIELDS, dtype=torch.int64, device=self.device)
+            # every CTA's tile records, then every CTA's phase stamps
+            self.records = torch.zeros(self.grid * (tiles_per_cta * REC_FIELDS + PHASE_FIELDS), dtype=torch.int64,
+                                       device=self.device)
 
     def resolve_schedule(self, tokens: int, schedule: str | None = None) -> str:
         """The order a launch of ``tokens`` runs: ``schedule`` or the layer's; "auto" asks megamoe.auto (once
@@ -328,14 +330,17 @@ class MegaMoE:
         side waited for the staging rows at the epilogue: the counterpart of the paper's tmem_empty wait) and
         t_rs (L2: the store warp's span from issuing the Combine rows to their read-out, clock64 cycles),
         t_store_begin / t_store_end (globaltimer ns: the store warp took the staged rows / its wait for them
-        returned: read out for L2, written for L1)."""
+        returned: read out for L2, written for L1); and ``phase_stamps`` (CTAs x megamoe.epilogue.PHASES,
+        globaltimer ns): each CTA's start, B1 and B2 passed, walk done, last rows written, B3 passed, sums done."""
         if not self.instrument:
             raise ValueError("build the layer with instrument=True to record tiles")
         import numpy as np
 
-        from megamoe.epilogue import REC_FIELDS
+        from megamoe.epilogue import PHASE_FIELDS, REC_FIELDS
 
-        rec = self.records.view(self.grid, self.rec_cap, REC_FIELDS).cpu().numpy()
+        tiles = self.grid * self.rec_cap * REC_FIELDS
+        rec = self.records[:tiles].view(self.grid, self.rec_cap, REC_FIELDS).cpu().numpy()
+        phases = self.records[tiles:].view(self.grid, PHASE_FIELDS).cpu().numpy()
         used = rec[:, :, 4] != 0
         cta = np.nonzero(used)[0]
         r = rec[used]
@@ -343,7 +348,8 @@ class MegaMoE:
         return {"cta": cta, "slot": np.nonzero(used)[1], "kind": packed >> 56, "expert": (packed >> 40) & 0xFFFF,
                 "m": (packed >> 20) & 0xFFFFF, "n": packed & 0xFFFFF, "sm": r[:, 1], "t_entry": r[:, 2],
                 "t_data": r[:, 3], "t_mma_end": r[:, 4], "t_end": r[:, 5], "t_rs": r[:, 6],
-                "t_staging_wait": r[:, 7], "t_store_begin": r[:, 8], "t_store_end": r[:, 9]}
+                "t_staging_wait": r[:, 7], "t_store_begin": r[:, 8], "t_store_end": r[:, 9],
+                "phase_stamps": phases}
 
 
 class EmulatedMoE:

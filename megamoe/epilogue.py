@@ -45,6 +45,11 @@ REC_T_RS = 6
 REC_STAGING_WAIT = 7
 REC_STORE_BEGIN = 8
 REC_STORE_END = 9
+# and per CTA, after every CTA's tile records, its phase stamps (globaltimer ns): kernel start, barriers B1 and
+# B2 passed (Count, then Dispatch done everywhere), the MMA side's walk done, the store warps' last rows
+# written, B3 passed, its own share of the top-k sums done
+PHASES = ("start", "b1", "b2", "walk_end", "stores_done", "b3", "sum_end", "spare")
+PHASE_FIELDS = len(PHASES)
 
 
 class StagedEpilogueMixin:

@@ -46,8 +46,9 @@ from cutlass.utils import LayoutEnum
 from quack import copy_utils, layout_utils, sm90_utils
 
 from cute_kernels import flags as fl
+from cute_kernels import timers
 from megamoe import tile_stream as ts
-from megamoe.epilogue import REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
+from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
 from megamoe.phases import NUM_THREADS, WG_THREADS, DispatchCombineMixin
 
 BLOCK_M = 128
@@ -205,13 +206,19 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
         parity = Int32(e_launch % 2)
         arrivals = Int64(world) * Int64(grid)  # one barrier's arrivals on each rank's counter
 
+        # instrument: PHASE_FIELDS stamps per CTA after the tile records (megamoe.epilogue.PHASES)
+        ph = None
+        if const_expr(self.instrument):
+            ph = Int64(grid) * rec_cap * REC_FIELDS + Int64(bidx) * PHASE_FIELDS
+            if tidx == 0:
+                records[ph + PHASES.index("start")] = cute.arch.globaltimer()
         self.count(mIdx, counts, tok_slot, l1_done, peer_ptrs, errors, parity, world, tidx, bidx, grid)
         self.cross_rank_barrier(barrier, peer_ptrs, (e_launch * 3 + 1) * arrivals, world, errors, timeout_ns,
-                                tidx, bidx)
+                                tidx, bidx, stamp=self.stamp_at(records, ph, "b1"))
         self.dispatch(mX, mIdx, mWgt, tok_slot, peer_ptrs, s_owner, s_row_off, s_ntok, parity, rank, world,
                       max_tokens, tidx, bidx, grid)
         self.cross_rank_barrier(barrier, peer_ptrs, (e_launch * 3 + 2) * arrivals, world, errors, timeout_ns,
-                                tidx, bidx)
+                                tidx, bidx, stamp=self.stamp_at(records, ph, "b2"))
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
         walk = (order, s_row_off, s_row_off[E], experts_per_wave, lead, bidx, grid)
         if warp_idx < 4:
@@ -226,9 +233,20 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(pool_w, records, scales, storage, (sA_layout, sB_layout, sC_layout, sH_layout), mma, mma_half,
                      pipe, walk, s_ntok, rec_cap, tidx - WG_THREADS)
+            if const_expr(self.instrument):
+                if tidx == WG_THREADS:
+                    records[ph + PHASES.index("walk_end")] = cute.arch.globaltimer()
             self.stores_done()
+            if const_expr(self.instrument):
+                if tidx == WG_THREADS:
+                    t_done, _ = timers.now_after_barrier(s_ntok)
+                    records[ph + PHASES.index("stores_done")] = t_done
             self.finish(mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, (e_launch * 3 + 3) * arrivals,
-                        e_launch, world, timeout_ns, tidx - WG_THREADS, bidx, grid)
+                        e_launch, world, timeout_ns, tidx - WG_THREADS, bidx, grid, self.stamp_at(records, ph, "b3"))
+
+    def stamp_at(self, records, ph, name: str):
+        """(records, the index of phase stamp ``name`` of this CTA) when instrumented, else None."""
+        return (records, ph + PHASES.index(name)) if const_expr(self.instrument) else None
 
     # ---------------------------------------------------------------- phase 3: the producer warp
     @cute.jit

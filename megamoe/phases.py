@@ -62,7 +62,8 @@ class DispatchCombineMixin:
 
     @cute.jit
     def cross_rank_barrier(self, barrier, peer_ptrs, target: Int64, world, errors, timeout_ns, tidx, bidx,
-                           barrier_id: cutlass.Constexpr = None, num_threads: cutlass.Constexpr = NUM_THREADS):
+                           barrier_id: cutlass.Constexpr = None, num_threads: cutlass.Constexpr = NUM_THREADS,
+                           stamp: cutlass.Constexpr = None):
         """The CTA's threads taking part (all of them, or ``num_threads`` on named barrier ``barrier_id``): their
         stores so far are performed at system scope before any rank passes. Thread 0 fences (cumulative after
         the CTA barrier), adds one arrival on every rank's monotone counter and waits (bounded) for this
@@ -75,6 +76,8 @@ class DispatchCombineMixin:
                 cute.arch.red(ptr.llvm_ptr, Int64(1), op="add", dtype="u64", sem="release", scope="sys")
             fl.wait_geq(barrier, Int32(0), target, timeout_ns, errors, Int32(fl.ERR_GRID_BARRIER_TIMEOUT), bidx,
                         "sys", 0, True)
+            if const_expr(stamp is not None):  # (records, index): when every rank's arrivals were seen
+                stamp[0][stamp[1]] = cute.arch.globaltimer()
         self.sync(barrier_id, num_threads)
 
     @staticmethod
@@ -196,11 +199,12 @@ class DispatchCombineMixin:
     # ---------------------------------------------------------------- phase 4: combine
     @cute.jit
     def finish(self, mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, target, e_launch, world,
-               timeout_ns, tidx, bidx, grid):
+               timeout_ns, tidx, bidx, grid, stamps: cutlass.Constexpr = None):
         """The MMA warpgroups after their walk: barrier B3 over every rank, then y = sum_k combine rows (one warp
-        per token), then the last CTA advances the epoch."""
+        per token), then the last CTA advances the epoch. ``stamps`` (instrument): (records, index of B3's
+        phase stamp; the next is the end of this CTA's sums)."""
         self.cross_rank_barrier(barrier, peer_ptrs, target, world, errors, timeout_ns, tidx, bidx,
-                                NamedBarrierMoE.MmaGroups, 2 * WG_THREADS)
+                                NamedBarrierMoE.MmaGroups, 2 * WG_THREADS, stamps)
         k = self.top_k
         H = self.hidden
         vec = 8
@@ -234,6 +238,9 @@ class DispatchCombineMixin:
                         out.store(total.load().to(self.dtype))
                         dst = mY.iterator + cute.assume(Int64(t) * H + v * vec, divby=vec)
                         cute.copy(copy_atom, out, cute.make_tensor(dst, cute.make_layout(vec)))
+        if const_expr(stamps is not None):
+            if tidx == 0:  # thread 0's own sums done (before the barrier: a read after it could run early)
+                stamps[0][stamps[1] + 1] = cute.arch.globaltimer()
         cute.arch.barrier(barrier_id=NamedBarrierMoE.MmaGroups, number_of_threads=2 * WG_THREADS)
         if tidx == 0:
             arrived = cute.arch.atomic_add(fl.elem_ptr(done, 0), Int32(1), sem="relaxed", scope="gpu")

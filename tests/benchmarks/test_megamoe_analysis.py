@@ -239,3 +239,24 @@ def test_staged_dump_measures_the_successors_staging_wait(tmp_path):
     assert summary["clock_ghz_lower_bound"] is None  # T_RS no longer sits inside the MMA side's epilogue
     old = ma.entry_summary(ma.load_dump(str(write_dump(tmp_path, name="old")))[0], CLOCK)
     assert old["successor"]["meas_wait_is"] == "entry wait" and not old["staged"]
+
+
+def test_phase_spans_from_the_stamps(tmp_path):
+    """A dump with per-CTA phase stamps: each phase's median and max over CTAs, and the kernel's span; a dump
+    without them reports None."""
+    stamps = np.array([[0, 10_000, 30_000, 90_000, 92_000, 95_000, 99_000, 0],
+                       [0, 12_000, 30_500, 80_000, 93_000, 95_500, 101_000, 0]], dtype=np.int64) + 10**15
+    spans = ma.phase_spans(stamps)
+    assert spans["count_b1"] == {"median_us": pytest.approx(11.0), "max_us": pytest.approx(12.0)}
+    assert spans["tiles"]["max_us"] == pytest.approx(60.0) and spans["stores_drain"]["max_us"] == pytest.approx(13.0)
+    assert spans["kernel_us"] == pytest.approx(101.0)
+    assert ma.phase_spans(None) is None
+    path = write_dump(tmp_path, name="ph")
+    with np.load(tmp_path / "ph.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["r0.ours_bf16_wave.phase_stamps"] = stamps
+    np.savez(tmp_path / "ph.npz", **arrays)
+    entries = ma.load_dump(str(path))
+    summary = ma.entry_summary(entries[0], CLOCK)
+    assert summary["phases_us"]["dispatch_b2"]["median_us"] == pytest.approx(19.25)
+    assert ma.entry_summary(entries[1], CLOCK)["phases_us"] is None

@@ -8,6 +8,7 @@ against megamoe.reference_moe_fp8 with the kernel's quantization (weights 128 x 
 3e-2 and 1e-1, since an h element that lands on the other side of an e4m3 rounding boundary moves by 1/16."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,6 +139,16 @@ def test_instrumented_tile_order_is_the_schedule(seed, schedule):
     # the store warp takes a tile's rows only once its mainloop ended, and its wait returns after that
     assert (dump["t_store_begin"] >= dump["t_mma_end"]).all()
     assert (dump["t_store_end"] >= dump["t_store_begin"]).all() and (dump["t_staging_wait"] >= 0).all()
+    # each CTA's phases in order, its walk ending after its last tile was staged
+    from megamoe.epilogue import PHASES
+
+    ph = dump["phase_stamps"][:, : PHASES.index("spare")]
+    assert ph.shape == (moe.grid, len(PHASES) - 1) and (ph > 0).all() and (np.diff(ph, axis=1) >= 0).all()
+    for c in range(moe.grid):
+        mine = dump["cta"] == c
+        if mine.any():
+            assert ph[c, PHASES.index("walk_end")] >= dump["t_end"][mine].max()
+            assert ph[c, PHASES.index("b2")] <= dump["t_entry"][mine].min()
 
 
 def test_graph_replays_with_changing_inputs(seed):
