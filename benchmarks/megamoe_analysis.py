@@ -323,8 +323,24 @@ def stall_markdown(table: dict, title: str = "") -> str:
             (f"globaltimer resolution in this dump: {ticks} ns, so a wait of one tick is zero within resolution; "
             f"{clock_note}The successor "
             "wait by the successor's kind (an L2 successor also waits for its row's Linear-1 tiles, which eq. 15 "
-            "does not model) is in the JSON, meas_wait_by_kind_us."), "",
-            "## Definitions", "", "```", table["definitions"], "```", ""]
+            "does not model) is in the JSON, meas_wait_by_kind_us."), ""]
+    if any(s.get("phases_us") for s in every):
+        names = [n for n, _, _ in PHASE_SPANS]
+        out += ["## Phases", "", "Median over CTAs (µs), wave / interleaved; the kernel's span from the first CTA's "
+                "start to the last one's sums.", "",
+                "| shape | precision | tok/rank | routing | P | " + " | ".join(names) + " | kernel |",
+                "|" + "---|" * (6 + len(names))]
+        for r in table["rows"]:
+            by = r["schedules"]
+
+            def cell(get):
+                return " / ".join(_f(get(by[k]["phases_us"]), 1) if k in by and by[k].get("phases_us") else "-"
+                                  for k in ("wave", "interleaved"))
+            out.append("| " + " | ".join([r["shape"], str(r["precision"]), str(r["tokens_per_rank"]), r["routing"],
+                                          str(r["world"])] + [cell(lambda p, n=n: p[n]["median_us"]) for n in names]
+                                         + [cell(lambda p: p["kernel_us"])]) + " |")
+        out.append("")
+    out += ["## Definitions", "", "```", table["definitions"], "```", ""]
     return "\n".join(out)
 
 

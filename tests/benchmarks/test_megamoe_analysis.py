@@ -260,3 +260,5 @@ def test_phase_spans_from_the_stamps(tmp_path):
     summary = ma.entry_summary(entries[0], CLOCK)
     assert summary["phases_us"]["dispatch_b2"]["median_us"] == pytest.approx(19.25)
     assert ma.entry_summary(entries[1], CLOCK)["phases_us"] is None
+    md = ma.stall_markdown(ma.stall_table(entries, CLOCK))
+    assert "## Phases" in md and "| tiny | bf16 | 64 | skewed | 2 | 11.0 / - |" in md
