@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from benchmarks.old_vs_new import OLD_DIR
+from benchmarks.old_vs_new import OLD_DIR, time_old_new
 
 DTYPES = ("bf16", "w8a8")
 SCHEDULES = ("wave", "interleaved")
@@ -50,7 +50,6 @@ def run(args) -> dict:
     import torch.distributed as dist
 
     from benchmarks.megamoe import PRESETS, make_weights, row_seed
-    from benchmarks.timing import alternated_excess, capture_graph, measure_rounds
     from cute_kernels.dist import process_group
     from cute_kernels.runtime import provenance
     from megamoe.reference import make_routing
@@ -93,12 +92,7 @@ def run(args) -> dict:
             ref = outs["old"].float()
             diff = float((outs["new"].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
             same = bool(torch.equal(outs["old"], outs["new"]))
-            columns = {n: (fn, capture_graph(fn, args.calls_per_graph, group)[0]) for n, fn in calls.items()}
-            medians, _ = measure_rounds(columns, args.calls_per_graph, args.replays, group)
-            one = {n: capture_graph(fn, 1, group)[0] for n, fn in calls.items()}
-            pairs = alternated_excess(one["old"].replay, one["new"].replay, args.pairs, group)
-            noise = alternated_excess(one["old"].replay, capture_graph(calls["old"], 1, group)[0].replay,
-                                      args.pairs, group)
+            medians, pairs, noise = time_old_new(calls, args, group)
             rows.append({**case, "seed": seed, "old_us": medians["old"], "new_us": medians["new"],
                          "new_minus_old_us": pairs, "old_minus_old_us": noise, "identical_output": same,
                          "max_rel_diff": diff})
@@ -106,7 +100,7 @@ def run(args) -> dict:
                   f"{medians['old']:.0f} new {medians['new']:.0f} µs; new-old by pairs {pairs['median_us']:+.1f} "
                   f"[{pairs['q1_us']:+.1f}, {pairs['q3_us']:+.1f}], A/A {noise['median_us']:+.1f}; same bits: "
                   f"{same} (max rel diff {diff:.1e})", flush=True)
-            del layers, columns, one
+            del layers
             torch.cuda.empty_cache()
     return {"provenance": provenance(" ".join(sys.argv)), "old_commit": old_commit, "rows": rows,
             "method": f"world size 1; {args.replays} interleaved rounds of {args.calls_per_graph}-call graphs; "

@@ -57,11 +57,24 @@ def _shape(spec: str) -> tuple[int, int, int, int]:
     return (*parts, 128)[:4]
 
 
+def time_old_new(calls: dict, args, group) -> tuple[dict, dict, dict]:
+    """``calls`` {"old": fn, "new": fn} timed side by side: medians of ``args.replays`` interleaved rounds of
+    ``args.calls_per_graph``-call graphs, new - old over ``args.pairs`` alternating adjacent one-call replays,
+    and old - old over as many (the run's noise)."""
+    from benchmarks.timing import alternated_excess, capture_graph, measure_rounds
+
+    columns = {n: (fn, capture_graph(fn, args.calls_per_graph, group)[0]) for n, fn in calls.items()}
+    medians, _ = measure_rounds(columns, args.calls_per_graph, args.replays, group)
+    one = {n: capture_graph(fn, 1, group)[0] for n, fn in calls.items()}
+    pairs = alternated_excess(one["old"].replay, one["new"].replay, args.pairs, group)
+    noise = alternated_excess(one["old"].replay, capture_graph(calls["old"], 1, group)[0].replay, args.pairs, group)
+    return medians, pairs, noise
+
+
 def run(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.timing import alternated_excess, capture_graph, measure_rounds
     from cute_kernels.dist import process_group
     from cute_kernels.runtime import provenance
 
@@ -83,12 +96,7 @@ def run(args) -> dict:
             outs = {"old": torch.empty_like(q), "new": torch.empty_like(q)}
             calls = {"old": lambda: old_fa(q, k, v, out=outs["old"], tile_order_world=2),
                      "new": lambda: new_fa(q, k, v, out=outs["new"], tile_order_world=2)}
-            columns = {n: (fn, capture_graph(fn, args.calls_per_graph, group)[0]) for n, fn in calls.items()}
-            medians, _ = measure_rounds(columns, args.calls_per_graph, args.replays, group)
-            one = {n: capture_graph(fn, 1, group)[0] for n, fn in calls.items()}
-            pairs = alternated_excess(one["old"].replay, one["new"].replay, args.pairs, group)
-            noise = alternated_excess(one["old"].replay, capture_graph(calls["old"], 1, group)[0].replay, args.pairs,
-                                      group)
+            medians, pairs, noise = time_old_new(calls, args, group)
             torch.cuda.synchronize()
             rows.append({"shape": [b, s, h, d], "old_us": medians["old"], "new_us": medians["new"],
                          "new_minus_old_us": pairs, "old_minus_old_us": noise,

@@ -82,21 +82,26 @@ class StagedEpilogueMixin:
         cute.arch.barrier_arrive(barrier_id=NamedBarrierMoE.StagingFull + wg, number_of_threads=STAGING_THREADS)
 
     @cute.jit
-    def stage_l2(self, acc, staging, wg, j, probe) -> Int64:
-        """L2 tile: the fp32 accumulator as bf16 rows into the staging (stmatrix)."""
-        st_atom, thr_c, tCsC = staging
-        r_c = cute.make_fragment_like(acc, self.dtype)
-        r_c.store(acc.load().to(self.dtype))
+    def stage_rows(self, frag, staging, wg, j, probe) -> Int64:
+        """The fp32 fragment ``frag`` as bf16 rows into the staging (stmatrix), once it is free, then handed to
+        the store warp; returns the staging wait (``staging_acquire``)."""
+        st_atom, thr, tDst = staging
+        r = cute.make_fragment_like(frag, self.dtype)
+        r.store(frag.load().to(self.dtype))
         waited = self.staging_acquire(wg, j, probe)
-        cute.copy(st_atom, thr_c.retile(r_c), tCsC)
+        cute.copy(st_atom, thr.retile(r), tDst)
         self.staging_commit(wg)
         return waited
+
+    @cute.jit
+    def stage_l2(self, acc, staging, wg, j, probe) -> Int64:
+        """L2 tile: the fp32 accumulator as bf16 rows into the staging."""
+        return self.stage_rows(acc, staging, wg, j, probe)
 
     @cute.jit
     def stage_l1(self, acc, acc_h, staging, wts, wg, j, probe) -> Int64:
         """bf16 L1 tile: h = silu(gate) * up * weight in fp32 (gate and up are the tile's columns [0, 64) and
         [64, 128): this thread holds column c and c + 64), as bf16 rows of 64 into the staging."""
-        st_atom, thr_h, tHsH = staging
         acc_mn = layout_utils.reshape_acc_to_mn(acc)
         h_mn = layout_utils.reshape_acc_to_mn(acc_h)
         half_cols = cute.size(h_mn, mode=[1])
@@ -105,12 +110,7 @@ class StagedEpilogueMixin:
             for c in cutlass.range_constexpr(half_cols):
                 g = acc_mn[r, c]
                 h_mn[r, c] = self.silu(g) * acc_mn[r, c + half_cols] * w
-        r_h = cute.make_fragment_like(acc_h, self.dtype)
-        r_h.store(acc_h.load().to(self.dtype))
-        waited = self.staging_acquire(wg, j, probe)
-        cute.copy(st_atom, thr_h.retile(r_h), tHsH)
-        self.staging_commit(wg)
-        return waited
+        return self.stage_rows(acc_h, staging, wg, j, probe)
 
     @cute.jit
     def stage_l1_fp8(self, acc, wts, sQ, s_inter, p, n, rows_c, wg, j, tidx, probe) -> Int64:
