@@ -49,6 +49,7 @@ from cute_kernels import flags as fl
 from cute_kernels import timers
 from megamoe import tile_stream as ts
 from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
+from megamoe.fp8_mainloop import Fp8MainloopMixin
 from megamoe.phases import NUM_THREADS, WG_THREADS, DispatchCombineMixin
 
 BLOCK_M = 128
@@ -61,7 +62,7 @@ ERR_L1_TIMEOUT = 6
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
 
 
-class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
+class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin):
     """``hidden``, ``intermediate``: the layer (multiples of 128); ``top_k``; ``num_local_experts``: experts
     per rank; ``max_world``: the largest world size the launch may take (shared-memory tables);
     ``instrument``: per-tile records; ``precision``: "bf16", or "w8a8" (e4m3 weights with 128 x 128 block
@@ -333,7 +334,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
         wg_half = mma_half.get_slice(wg * WG_THREADS)
         acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(wg_mma, (BLOCK_M, BLOCK_N, self.bk), sA, sB)
         blks = None
-        if const_expr(self.fp8):  # a K block's two halves, each promoted into acc with its scales
+        if const_expr(self.fp8):  # the two block accumulators of the W8A8 promotion units (megamoe.fp8_mainloop)
             blks = (cute.make_fragment_like(acc), cute.make_fragment_like(acc))
         arow = cute.make_rmem_tensor(cute.make_layout(cute.size(layout_utils.reshape_acc_to_mn(acc), mode=[0])),
                                      Int32)  # FP8: this thread's pool rows, for the activation scales
@@ -364,8 +365,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
                 for r in cutlass.range_constexpr(cute.size(wts)):
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
             if const_expr(self.fp8):
-                state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, n_kb, kind, e, n,
-                                                       p, arow, rows_c, scales)
+                state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, e, n, p, arow,
+                                                       rows_c, scales)
             else:
                 state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
             if const_expr(self.instrument):
@@ -393,90 +394,3 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
             j = j + 1
             found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
                                                      self.n1, self.n2, E)
-
-    # ---------------------------------------------------------------- FP8 W8A8: mainloop and L1 epilogue
-    @cute.jit
-    def wgmma_k(self, mma, acc, tCrA, tCrB, stage, k0: cutlass.Constexpr, k1: cutlass.Constexpr):
-        """acc = A B over the k32 WGMMA steps [k0, k1) of shared-memory stage ``stage`` (a fresh accumulator),
-        issued and committed, not waited for."""
-        warpgroup.fence()
-        atom = cute.make_mma_atom(mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, False)
-        for k in cutlass.range_constexpr(k0, k1):
-            cute.gemm(atom, acc, tCrA[None, None, k, stage], tCrB[None, None, k, stage], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def promote(self, acc, acc_blk, sa: cute.Tensor, sb_lo, sb_hi):
-        """acc += acc_blk * sa[row] * sb: columns [0, 64) of the tile take ``sb_lo`` (L1: the gate rows' weight
-        block), [64, 128) ``sb_hi`` (L1: the up rows'; L2: the same block)."""
-        acc_mn = layout_utils.reshape_acc_to_mn(acc)
-        blk_mn = layout_utils.reshape_acc_to_mn(acc_blk)
-        half = cute.size(acc_mn, mode=[1]) // 2
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            lo = sa[r] * sb_lo
-            hi = sa[r] * sb_hi
-            for c in cutlass.range_constexpr(half):
-                acc_mn[r, c] = acc_mn[r, c] + blk_mn[r, c] * lo
-                acc_mn[r, c + half] = acc_mn[r, c + half] + blk_mn[r, c + half] * hi
-
-    @cute.jit
-    def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, n_kb, kind, e, n, p, arow, rows_c,
-                          scales):
-        """acc = the tile's fp32 product over its 128-wide K blocks. Each block's WGMMAs go in two halves into two
-        fresh accumulators ``blks``; the first half is promoted (times its activation and weight scales) while
-        the second half's WGMMA runs, then the second. L1: both halves take the block's activation scale of the
-        pool row (1 x 128) and the weight scales of its gate and up blocks; L2: each half its own 1 x 64 scale
-        of the intermediate row, under the block's one weight scale. (Promoting a block while the next block's
-        WGMMA runs needs an accumulator in flight across the loop, and ptxas then serializes every WGMMA:
-        docs/FINDINGS.md, megamoe_fp8_pipelined.)"""
-        s_pool, s_inter, s_w1, s_w2 = scales
-        H, I = self.hidden, self.intermediate
-        blk_a, blk_b = blks
-        for r in cutlass.range_constexpr(cute.size(arow)):
-            arow[r] = p * BLOCK_M + rows_c[r, 0][0]
-        rows = cute.size(arow)
-        sa_a = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
-        sa_b = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
-        ksteps = cute.size(tCrA, mode=[2])
-        acc.fill(0.0)
-        t_data = Int64(0)
-        lo, hi = Int32(0), Int32(0)
-        if kind == ts.KIND_L1:
-            lo = (e * (2 * I // 128) + n // 2) * (H // 128)  # the gate rows' weight block row; up: I / 128 later
-            hi = lo + (I // 128) * (H // 128)
-        else:
-            # the scales below were stored by other CTAs' L1 epilogues before their release on l1_done[p]; they
-            # are read after this stage's data arrived, i.e. after the producer's acquire of that counter
-            # (producer acquire -> its TMA -> the stage's mbarrier -> this warpgroup's wait)
-            lo = (e * (H // 128) + n) * (I // 128)
-            hi = lo
-        for kb in cutlass.range(n_kb, unroll=1):
-            pipe.consumer_wait(state)
-            if const_expr(self.instrument):
-                if kb == 0:
-                    t_data = cute.arch.globaltimer()
-            self.wgmma_k(mma, blk_a, tCrA, tCrB, state.index, 0, ksteps // 2)
-            self.wgmma_k(mma, blk_b, tCrA, tCrB, state.index, ksteps // 2, ksteps)
-            sb_lo = Float32(0.0)
-            sb_hi = Float32(0.0)
-            if kind == ts.KIND_L1:  # loads under the WGMMAs
-                for r in cutlass.range_constexpr(rows):
-                    sa_a[r] = s_pool[arow[r] * (H // 128) + kb]
-                    sa_b[r] = sa_a[r]
-                sb_lo = s_w1[lo + kb]
-                sb_hi = s_w1[hi + kb]
-            else:
-                for r in cutlass.range_constexpr(rows):
-                    sa_a[r] = s_inter[arow[r] * (I // 64) + 2 * kb]
-                    sa_b[r] = s_inter[arow[r] * (I // 64) + 2 * kb + 1]
-                sb_lo = s_w2[lo + kb]
-                sb_hi = sb_lo
-            warpgroup.wait_group(1)
-            self.promote(acc, blk_a, sa_a, sb_lo, sb_hi)
-            warpgroup.wait_group(0)
-            pipe.consumer_release(state)
-            self.promote(acc, blk_b, sa_b, sb_lo, sb_hi)
-            state.advance()
-        return state, t_data
