@@ -21,6 +21,7 @@ FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4  # scale = max(amax, floor) / 448: megamoe.reference's recipe (DeepGEMM's floor)
 BLOCK_M = 128
 DISPATCH_BATCH = 8  # 16 B vectors per lane in flight in Dispatch's row copies (and its FP8 runs per half-warp)
+DISPATCH_FANOUT = 8  # a token's destinations per read of its row (top_k above it reads the row again)
 
 
 class NamedBarrierMoE(enum.IntEnum):
@@ -90,8 +91,9 @@ class DispatchCombineMixin:
     @cute.jit
     def dispatch(self, mX, mIdx, mWgt, tok_slot, peer_ptrs, s_owner, s_row_off, s_ntok, parity, rank, world,
                  max_tokens, tidx, bidx, grid):
-        """Every owner's expert row offsets into shared memory, then one warp per routed (t, k) pushes the token
-        row, its source slot and its weight into the owner's pool."""
+        """Every owner's expert row offsets into shared memory, then one warp per token pushes its row (W8A8:
+        quantized once) into the pool rows of its top_k experts' owners, with each row's source slot and
+        router weight."""
         E = self.num_local_experts
         k = self.top_k
         H = self.hidden
@@ -118,53 +120,74 @@ class DispatchCombineMixin:
         gwarp = bidx * (NUM_THREADS // 32) + tidx // 32
         gwarps = grid * (NUM_THREADS // 32)
         num_tokens = Int32(cute.size(mIdx, mode=[0]))
-        vec = 8  # bf16 per 128-bit store
-        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        for q in cutlass.range(gwarp, num_tokens * k, gwarps, unroll=1):
-            t = q // k
-            e = mIdx[t, q % k]
-            if e >= 0 and e < world * E:
-                owner = e // E
-                row = s_owner[e] * BLOCK_M + tok_slot[q]
-                src = mX.iterator + cute.assume(Int64(t) * H, divby=vec)
+        elem = 1 if const_expr(self.fp8) else 2  # bytes per pool element
+        fan = min(k, DISPATCH_FANOUT)
+        # one warp per token: its row read (W8A8: quantized) once per DISPATCH_FANOUT destinations, not once per
+        # routed (t, k); a token row is read top_k times otherwise (8x its bytes at top-8)
+        for t in cutlass.range(gwarp, num_tokens, gwarps, unroll=1):
+            src = mX.iterator + cute.assume(Int64(t) * H, divby=8)
+            for g0 in cutlass.range_constexpr(0, k, fan):
+                n_dst = min(fan, k - g0)
+                dst = cute.make_rmem_tensor(cute.make_layout(n_dst), Int64)  # pool row addresses; 0: not routed
+                dst_scale = cute.make_rmem_tensor(cute.make_layout(n_dst), Int64)  # W8A8: the row's scales
+                for j in cutlass.range_constexpr(n_dst):
+                    q = t * k + g0 + j
+                    e = mIdx[t, g0 + j]
+                    dst[j] = Int64(0)
+                    dst_scale[j] = Int64(0)
+                    if e >= 0 and e < world * E:
+                        owner = e // E
+                        row = s_owner[e] * BLOCK_M + tok_slot[q]
+                        dst[j] = (peer_ptrs[PEER_KINDS.index("pool") * world + owner]
+                                  + Int64(row) * (H * elem))
+                        if const_expr(self.fp8):
+                            dst_scale[j] = (peer_ptrs[PEER_KINDS.index("pool_scale") * world + owner]
+                                            + Int64(row) * (H // 128 * 4))
+                        if lane == 0:
+                            ps = self.peer(peer_ptrs, "pool_src", owner, world, Int32, 4)
+                            pw = self.peer(peer_ptrs, "pool_w", owner, world, Float32, 4)
+                            cute.arch.store((ps + row).llvm_ptr, Int32(rank * max_tokens * k + q))
+                            cute.arch.store((pw + row).llvm_ptr, Float32(mWgt[t, g0 + j]))
                 if const_expr(self.fp8):
-                    self.push_row_fp8(src, peer_ptrs, owner, world, row, lane)
+                    self.push_row_fp8(src, dst, dst_scale, lane)
                 else:
-                    dst = (self.peer(peer_ptrs, "pool", owner, world, self.dtype, 16)
-                           + cute.assume(Int64(row) * H, divby=vec))
-                    # a batch of vectors per lane loaded before any is stored: 4 KB of each warp's row in
-                    # flight (one load at a time left the copy latency-bound, well under the HBM rate)
-                    frags = cute.make_rmem_tensor(cute.make_layout((vec, DISPATCH_BATCH)), self.dtype)
-                    for b in cutlass.range(0, H // vec, 32 * DISPATCH_BATCH, unroll=1):
-                        for i in cutlass.range_constexpr(DISPATCH_BATCH):
-                            v = b + i * 32 + lane
-                            if v < H // vec:
-                                off = cute.assume(v * vec, divby=vec)
-                                cute.copy(copy_atom, cute.make_tensor(src + off, cute.make_layout(vec)),
-                                          frags[None, i])
-                        for i in cutlass.range_constexpr(DISPATCH_BATCH):
-                            v = b + i * 32 + lane
-                            if v < H // vec:
-                                off = cute.assume(v * vec, divby=vec)
-                                cute.copy(copy_atom, frags[None, i], cute.make_tensor(dst + off, cute.make_layout(vec)))
-                if lane == 0:
-                    ps = self.peer(peer_ptrs, "pool_src", owner, world, Int32, 4)
-                    pw = self.peer(peer_ptrs, "pool_w", owner, world, Float32, 4)
-                    cute.arch.store((ps + row).llvm_ptr, Int32(rank * max_tokens * k + q))
-                    cute.arch.store((pw + row).llvm_ptr, Float32(mWgt[t, q % k]))
+                    self.push_row_bf16(src, dst, lane)
 
     @cute.jit
-    def push_row_fp8(self, src, peer_ptrs, owner, world, row, lane):
+    def push_row_bf16(self, src, dst, lane):
+        """One warp: the bf16 token row at ``src`` into each pool row address of ``dst`` (0: none). A batch of
+        vectors per lane is loaded before any is stored: 4 KB of the row in flight (one load at a time left the
+        copy latency-bound, well under the HBM rate)."""
+        H = self.hidden
+        vec = 8  # bf16 per 128-bit access
+        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        frags = cute.make_rmem_tensor(cute.make_layout((vec, DISPATCH_BATCH)), self.dtype)
+        for b in cutlass.range(0, H // vec, 32 * DISPATCH_BATCH, unroll=1):
+            for i in cutlass.range_constexpr(DISPATCH_BATCH):
+                v = b + i * 32 + lane
+                if v < H // vec:
+                    off = cute.assume(v * vec, divby=vec)
+                    cute.copy(copy_atom, cute.make_tensor(src + off, cute.make_layout(vec)), frags[None, i])
+            for j in cutlass.range_constexpr(cute.size(dst)):
+                if dst[j] != 0:
+                    row = cute.make_ptr(self.dtype, dst[j], cute.AddressSpace.gmem, assumed_align=16)
+                    for i in cutlass.range_constexpr(DISPATCH_BATCH):
+                        v = b + i * 32 + lane
+                        if v < H // vec:
+                            off = cute.assume(v * vec, divby=vec)
+                            cute.copy(copy_atom, frags[None, i], cute.make_tensor(row + off, cute.make_layout(vec)))
+
+    @cute.jit
+    def push_row_fp8(self, src, dst, dst_scale, lane):
         """One warp: the bf16 token row at ``src`` quantized in 1 x 128 runs (megamoe.reference's recipe:
-        scale = max(amax, 1e-4) / 448, q = x * (1 / scale)) into the owner's FP8 pool row ``row`` and its scales.
-        Each half-warp takes one run per step (16 lanes x 8 elements), its amax by shuffles within the half."""
+        scale = max(amax, 1e-4) / 448, q = x * (1 / scale)) into each FP8 pool row address of ``dst`` (0: none)
+        and its scales at ``dst_scale``. Each half-warp takes one run per step (16 lanes x 8 elements), its amax
+        by shuffles within the half."""
         H = self.hidden
         runs = H // 128
         half, sub = lane % 16, lane // 16
         ld = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         st = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=64)
-        pool = self.peer(peer_ptrs, "pool", owner, world, self.ab_dtype, 16)
-        pool_scale = self.peer(peer_ptrs, "pool_scale", owner, world, Float32, 4)
         steps = (runs + 1) // 2  # the odd count's last step: both halves take the last run, one stores
         x8 = cute.make_rmem_tensor(cute.make_layout((8, DISPATCH_BATCH)), self.dtype)
         q = cute.make_rmem_tensor(cute.make_layout(8), Float32)
@@ -191,10 +214,14 @@ class DispatchCombineMixin:
                         q[j] = cutlass.min(cutlass.max(q[j] * inv, Float32(-FP8_MAX)), Float32(FP8_MAX))
                     q8.store(q.load().to(self.ab_dtype))
                     if 2 * (b + i) + sub < runs:
-                        dst = pool + cute.assume(Int64(row) * H + col, divby=8)
-                        cute.copy(st, q8, cute.make_tensor(dst, cute.make_layout(8)))
-                        if half == 0:
-                            cute.arch.store((pool_scale + (Int64(row) * runs + run)).llvm_ptr, scale)
+                        for d in cutlass.range_constexpr(cute.size(dst)):
+                            if dst[d] != 0:
+                                row = cute.make_ptr(self.ab_dtype, dst[d], cute.AddressSpace.gmem, assumed_align=16)
+                                cute.copy(st, q8, cute.make_tensor(row + cute.assume(col, divby=8),
+                                                                   cute.make_layout(8)))
+                                if half == 0:
+                                    sc = cute.make_ptr(Float32, dst_scale[d], cute.AddressSpace.gmem, assumed_align=4)
+                                    cute.arch.store((sc + run).llvm_ptr, scale)
 
     # ---------------------------------------------------------------- phase 4: combine
     @cute.jit
