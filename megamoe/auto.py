@@ -15,6 +15,10 @@ always-wave 27%, always-interleaved 9.9%) and 1.4% for W8A8 (mean 0.2%; always-i
 (``megamoe_auto_regret_{bf16,fp8}_916b5e8.json``). The bf16 worst rows are near ties the replay cannot see
 (Qwen3-MoE at 1024 tokens, P = 2: 3.7%; DiT-MoE at 8192, world 1: 3.4%). The first call of a token bucket
 replays both orders on the host (up to ~1 s at DSv4-Flash's 256 experts); later calls reuse the decision.
+On the grid after the W8A8 promotion units (``megamoe_grid_c19b293.json``) the bf16 regret is still at most
+3.7%, W8A8's 5.7% (mean 0.9%; always-interleaved 4.7%): the replay below still costs W8A8 at twice the bf16
+rate and picks wave at emulated P = 2 DiT-MoE, where interleaved is now 4-6% faster (refitting these costs
+to the new kernel is open work: issue 30).
 """
 from __future__ import annotations
 
