@@ -4,10 +4,10 @@ Linear-1 with SwiGLU x router weight, Linear-2, Combine (xstage-paper sections 2
 One CTA per SM (at most SMs / P per emulated rank), 3 warpgroups. The launch runs four phases:
 1. **Count** (all threads): every routed (token, k) of this rank takes a slot of its expert on the owner
    rank (a system-scope atomic on the owner's symmetric ``counts``). Grid-wide, cross-rank barrier B1.
-2. **Dispatch** (all threads, one warp per (token, k)): from every owner's counts, each expert's rows start at
+2. **Dispatch** (all threads, one warp per token): from every owner's counts, each expert's rows start at
    a 128-row boundary of the owner's pool (``row_off``: the scheduler rows of ``megamoe.schedule``); the warp
-   pushes the token row there with 128-bit stores (W8A8: quantized on the way, 1 x 128 scales), plus its
-   source (rank, token, k) and router weight. Barrier B2. Pushing (not pulling) keeps every NVLink transfer a
+   reads the token row once (W8A8: quantizes it once, 1 x 128 scales) and pushes it to each of its top_k
+   rows with 128-bit stores, plus each row's source (rank, token, k) and router weight. Barrier B2. Pushing (not pulling) keeps every NVLink transfer a
    store, the kind the X-stage model covers.
 3. **Expert GEMMs** (warp-specialized): warp 0 issues the TMA loads of A (pool rows or intermediate rows) and
    B (weights) into a ``ab_stages``-deep pipeline; the two MMA warpgroups (64 rows each of a 128 x 128 tile)
