@@ -88,6 +88,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
         self.num_local_experts, self.max_world, self.instrument = num_local_experts, max_world, bool(instrument)
         self.dtype = cutlass.BFloat16  # x, y, the combine rows
         self.precision, self.fp8 = precision, precision == "w8a8"
+        import os
+        self.fp8_control = os.environ.get("XSTAGE_FP8_CONTROL", "")  # EXPERIMENT ONLY
         self.ab_dtype = cutlass.Float8E4M3FN if self.fp8 else cutlass.BFloat16  # the GEMM operands
         self.bk = STAGE_K[precision]
         self.n1 = 2 * intermediate // BLOCK_N  # L1 N blocks (gate + up interleaved by 64)
@@ -363,7 +365,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
             if kind == ts.KIND_L1:  # the router weights, loaded before the mainloop hides their latency
                 for r in cutlass.range_constexpr(cute.size(wts)):
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
-            if const_expr(self.fp8):
+            if const_expr(self.fp8 and self.fp8_control == "fast"):
+                state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
+            elif const_expr(self.fp8):
                 state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, n_kb, kind, e, n,
                                                        p, arow, rows_c, scales)
             else:
@@ -474,9 +478,14 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
                 sb_lo = s_w2[lo + kb]
                 sb_hi = sb_lo
             warpgroup.wait_group(1)
-            self.promote(acc, blk_a, sa_a, sb_lo, sb_hi)
+            if const_expr(self.fp8_control != "nopromote"):
+                self.promote(acc, blk_a, sa_a, sb_lo, sb_hi)
             warpgroup.wait_group(0)
             pipe.consumer_release(state)
-            self.promote(acc, blk_b, sa_b, sb_lo, sb_hi)
+            if const_expr(self.fp8_control != "nopromote"):
+                self.promote(acc, blk_b, sa_b, sb_lo, sb_hi)
             state.advance()
+        if const_expr(self.fp8_control == "nopromote"):
+            self.promote(acc, blk_a, sa_a, Float32(1.0), Float32(1.0))
+            self.promote(acc, blk_b, sa_b, Float32(1.0), Float32(1.0))
         return state, t_data
