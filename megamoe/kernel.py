@@ -422,6 +422,28 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
                 acc_mn[r, c + half] = acc_mn[r, c + half] + blk_mn[r, c + half] * hi
 
     @cute.jit
+    def load_block_scales(self, dst, kind, kb, arow, scales, lo, hi):
+        """K block ``kb``'s scales into ``dst`` = (activation scale of each row for the first half, for the second
+        half, the weight scales of the lo / hi columns). L1: one 1 x 128 activation scale (both halves), the
+        gate and the up block's weight scales; L2: the two 1 x 64 scales of the intermediate row, one weight
+        scale."""
+        s_pool, s_inter, s_w1, s_w2 = scales
+        H, I = self.hidden, self.intermediate
+        sa_a, sa_b, sb = dst
+        if kind == ts.KIND_L1:
+            for r in cutlass.range_constexpr(cute.size(arow)):
+                sa_a[r] = s_pool[arow[r] * (H // 128) + kb]
+                sa_b[r] = sa_a[r]
+            sb[0] = s_w1[lo + kb]
+            sb[1] = s_w1[hi + kb]
+        else:
+            for r in cutlass.range_constexpr(cute.size(arow)):
+                sa_a[r] = s_inter[arow[r] * (I // 64) + 2 * kb]
+                sa_b[r] = s_inter[arow[r] * (I // 64) + 2 * kb + 1]
+            sb[0] = s_w2[lo + kb]
+            sb[1] = sb[0]
+
+    @cute.jit
     def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, n_kb, kind, e, n, p, arow, rows_c,
                           scales):
         """acc = the tile's fp32 product over its 128-wide K blocks. Each block's WGMMAs go in two halves into two
@@ -431,14 +453,17 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
         of the intermediate row, under the block's one weight scale. (Promoting a block while the next block's
         WGMMA runs needs an accumulator in flight across the loop, and ptxas then serializes every WGMMA:
         docs/FINDINGS.md, megamoe_fp8_pipelined.)"""
-        s_pool, s_inter, s_w1, s_w2 = scales
         H, I = self.hidden, self.intermediate
         blk_a, blk_b = blks
         for r in cutlass.range_constexpr(cute.size(arow)):
             arow[r] = p * BLOCK_M + rows_c[r, 0][0]
         rows = cute.size(arow)
-        sa_a = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
-        sa_b = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
+        # the scales of the block being promoted (cur) and of the next one (nxt, loaded under this block's
+        # WGMMAs: a global load's latency is longer than half a block's WGMMA)
+        cur = (cute.make_rmem_tensor(cute.make_layout(rows), Float32),
+               cute.make_rmem_tensor(cute.make_layout(rows), Float32), cute.make_rmem_tensor(cute.make_layout(2), Float32))
+        nxt = (cute.make_rmem_tensor(cute.make_layout(rows), Float32),
+               cute.make_rmem_tensor(cute.make_layout(rows), Float32), cute.make_rmem_tensor(cute.make_layout(2), Float32))
         ksteps = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         t_data = Int64(0)
@@ -447,9 +472,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
             lo = (e * (2 * I // 128) + n // 2) * (H // 128)  # the gate rows' weight block row; up: I / 128 later
             hi = lo + (I // 128) * (H // 128)
         else:
-            # the scales below were stored by other CTAs' L1 epilogues before their release on l1_done[p]; they
-            # are read after this stage's data arrived, i.e. after the producer's acquire of that counter
-            # (producer acquire -> its TMA -> the stage's mbarrier -> this warpgroup's wait)
+            # the scales below were stored by other CTAs' L1 epilogues before their release on l1_done[p]; the
+            # producer acquired that counter before this tile's first load, so once the first stage arrived
+            # (producer acquire -> its TMA -> the stage's mbarrier -> this warpgroup's wait) all are visible
             lo = (e * (H // 128) + n) * (I // 128)
             hi = lo
         for kb in cutlass.range(n_kb, unroll=1):
@@ -459,24 +484,16 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
                     t_data = cute.arch.globaltimer()
             self.wgmma_k(mma, blk_a, tCrA, tCrB, state.index, 0, ksteps // 2)
             self.wgmma_k(mma, blk_b, tCrA, tCrB, state.index, ksteps // 2, ksteps)
-            sb_lo = Float32(0.0)
-            sb_hi = Float32(0.0)
-            if kind == ts.KIND_L1:  # loads under the WGMMAs
-                for r in cutlass.range_constexpr(rows):
-                    sa_a[r] = s_pool[arow[r] * (H // 128) + kb]
-                    sa_b[r] = sa_a[r]
-                sb_lo = s_w1[lo + kb]
-                sb_hi = s_w1[hi + kb]
-            else:
-                for r in cutlass.range_constexpr(rows):
-                    sa_a[r] = s_inter[arow[r] * (I // 64) + 2 * kb]
-                    sa_b[r] = s_inter[arow[r] * (I // 64) + 2 * kb + 1]
-                sb_lo = s_w2[lo + kb]
-                sb_hi = sb_lo
+            if kb == 0:
+                self.load_block_scales(cur, kind, Int32(0), arow, scales, lo, hi)
+            if kb + 1 < n_kb:
+                self.load_block_scales(nxt, kind, kb + 1, arow, scales, lo, hi)
             warpgroup.wait_group(1)
-            self.promote(acc, blk_a, sa_a, sb_lo, sb_hi)
+            self.promote(acc, blk_a, cur[0], cur[2][0], cur[2][1])
             warpgroup.wait_group(0)
             pipe.consumer_release(state)
-            self.promote(acc, blk_b, sa_b, sb_lo, sb_hi)
+            self.promote(acc, blk_b, cur[1], cur[2][0], cur[2][1])
+            for i in cutlass.range_constexpr(3):
+                cur[i].store(nxt[i].load())
             state.advance()
         return state, t_data
