@@ -57,6 +57,8 @@ BLOCK_N = 128
 # 128-wide scale block, promoted to fp32 once per stage)
 STAGE_K = {"bf16": 64, "w8a8": 128}
 PRECISIONS = tuple(STAGE_K)
+# W8A8 K blocks per mainloop iteration (megamoe.kernel.fp8_blocks)
+FP8_GROUP = 4
 ERR_L1_TIMEOUT = 6
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
 
@@ -444,6 +446,45 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
             sb[1] = sb[0]
 
     @cute.jit
+    def fp8_blocks(self, G: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state, kb0, n_kb, kind, arow,
+                   scales, lo, hi, cur, nxt, t_data):
+        """K blocks [kb0, kb0 + G) of a W8A8 tile: each in two halves into ``blks``; block g+1's first half is
+        issued before block g's second half is promoted. ``cur`` holds block kb0's scales on entry (loaded by
+        the previous call, or here for kb0 = 0); each block loads the next one's into ``nxt``."""
+        blk_a, blk_b = blks
+        ksteps = cute.size(tCrA, mode=[2])
+        pipe.consumer_wait(state)
+        if const_expr(self.instrument):
+            if kb0 == 0:
+                t_data = cute.arch.globaltimer()
+        self.wgmma_k(mma, blk_a, tCrA, tCrB, state.index, 0, ksteps // 2)
+        self.wgmma_k(mma, blk_b, tCrA, tCrB, state.index, ksteps // 2, ksteps)
+        if kb0 == 0:
+            self.load_block_scales(cur, kind, Int32(0), arow, scales, lo, hi)
+        for g in cutlass.range_constexpr(G):
+            kb = kb0 + g
+            if kb + 1 < n_kb:
+                self.load_block_scales(nxt, kind, kb + 1, arow, scales, lo, hi)
+            warpgroup.wait_group(1)
+            self.promote(acc, blk_a, cur[0], cur[2][0], cur[2][1])
+            nxt_state = state.clone()
+            nxt_state.advance()
+            if const_expr(g + 1 < G):
+                pipe.consumer_wait(nxt_state)
+                self.wgmma_k(mma, blk_a, tCrA, tCrB, nxt_state.index, 0, ksteps // 2)
+                warpgroup.wait_group(1)
+            else:
+                warpgroup.wait_group(0)
+            pipe.consumer_release(state)
+            self.promote(acc, blk_b, cur[1], cur[2][0], cur[2][1])
+            if const_expr(g + 1 < G):
+                self.wgmma_k(mma, blk_b, tCrA, tCrB, nxt_state.index, ksteps // 2, ksteps)
+            for i in cutlass.range_constexpr(3):
+                cur[i].store(nxt[i].load())
+            state = nxt_state
+        return state, t_data
+
+    @cute.jit
     def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, n_kb, kind, e, n, p, arow, rows_c,
                           scales):
         """acc = the tile's fp32 product over its 128-wide K blocks. Each block's WGMMAs go in two halves into two
@@ -464,7 +505,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
                cute.make_rmem_tensor(cute.make_layout(rows), Float32), cute.make_rmem_tensor(cute.make_layout(2), Float32))
         nxt = (cute.make_rmem_tensor(cute.make_layout(rows), Float32),
                cute.make_rmem_tensor(cute.make_layout(rows), Float32), cute.make_rmem_tensor(cute.make_layout(2), Float32))
-        ksteps = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         t_data = Int64(0)
         lo, hi = Int32(0), Int32(0)
@@ -477,23 +517,18 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
             # (producer acquire -> its TMA -> the stage's mbarrier -> this warpgroup's wait) all are visible
             lo = (e * (H // 128) + n) * (I // 128)
             hi = lo
-        for kb in cutlass.range(n_kb, unroll=1):
-            pipe.consumer_wait(state)
-            if const_expr(self.instrument):
-                if kb == 0:
-                    t_data = cute.arch.globaltimer()
-            self.wgmma_k(mma, blk_a, tCrA, tCrB, state.index, 0, ksteps // 2)
-            self.wgmma_k(mma, blk_b, tCrA, tCrB, state.index, ksteps // 2, ksteps)
-            if kb == 0:
-                self.load_block_scales(cur, kind, Int32(0), arow, scales, lo, hi)
-            if kb + 1 < n_kb:
-                self.load_block_scales(nxt, kind, kb + 1, arow, scales, lo, hi)
-            warpgroup.wait_group(1)
-            self.promote(acc, blk_a, cur[0], cur[2][0], cur[2][1])
-            warpgroup.wait_group(0)
-            pipe.consumer_release(state)
-            self.promote(acc, blk_b, cur[1], cur[2][0], cur[2][1])
-            for i in cutlass.range_constexpr(3):
-                cur[i].store(nxt[i].load())
-            state.advance()
+        # G blocks per loop iteration, straight-line: block kb+1's first half is issued before block kb's second
+        # half is promoted, so a promotion always runs under a WGMMA; only the last block of a group promotes
+        # its second half with nothing in flight (every WGMMA issued in an iteration retires in it: a WGMMA in
+        # flight across the back-edge makes ptxas serialize them all, FINDINGS megamoe_fp8_pipelined)
+        G = FP8_GROUP
+        kb = Int32(0)
+        for _ in cutlass.range(n_kb // G, unroll=1):
+            state, t_data = self.fp8_blocks(G, mma, acc, blks, tCrA, tCrB, pipe, state, kb, n_kb, kind, arow,
+                                            scales, lo, hi, cur, nxt, t_data)
+            kb = kb + G
+        for _ in cutlass.range(n_kb % G, unroll=1):
+            state, t_data = self.fp8_blocks(1, mma, acc, blks, tCrA, tCrB, pipe, state, kb, n_kb, kind, arow,
+                                            scales, lo, hi, cur, nxt, t_data)
+            kb = kb + 1
         return state, t_data
