@@ -446,42 +446,71 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
             sb[1] = sb[0]
 
     @cute.jit
-    def fp8_blocks(self, G: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state, kb0, n_kb, kind, arow,
-                   scales, lo, hi, cur, nxt, t_data):
-        """K blocks [kb0, kb0 + G) of a W8A8 tile: each in two halves into ``blks``; block g+1's first half is
-        issued before block g's second half is promoted. ``cur`` holds block kb0's scales on entry (loaded by
-        the previous call, or here for kb0 = 0); each block loads the next one's into ``nxt``."""
-        blk_a, blk_b = blks
+    def fp8_blocks(self, G: cutlass.Constexpr, split: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state,
+                   kb0, n_kb, kind, arow, scales, lo, hi, cur, nxt, t_data):
+        """K blocks [kb0, kb0 + G) of a W8A8 tile as G * ``split`` units (a whole 128-wide block, or its two
+        64-wide halves where the activation scale changes within the block: L2), each WGMMA'd into a fresh
+        accumulator of ``blks`` (alternating) and promoted with its scales while the next unit's WGMMA runs.
+        ``cur`` holds block kb0's scales on entry (loaded here for kb0 = 0); each block loads the next one's
+        into ``nxt``. Every WGMMA issued here retires here."""
         ksteps = cute.size(tCrA, mode=[2])
-        pipe.consumer_wait(state)
+        per = ksteps // split
+        n_units = G * split
+        states = [state]
+        for g in cutlass.range_constexpr(G):
+            nxt_state = states[g].clone()
+            nxt_state.advance()
+            states.append(nxt_state)
+
+        def issue(u):
+            g, h = u // split, u % split
+            if const_expr(h == 0):
+                pipe.consumer_wait(states[g])
+            self.wgmma_k(mma, blks[u % 2], tCrA, tCrB, states[g].index, h * per, (h + 1) * per)
+
+        issue(0)
         if const_expr(self.instrument):
             if kb0 == 0:
                 t_data = cute.arch.globaltimer()
-        self.wgmma_k(mma, blk_a, tCrA, tCrB, state.index, 0, ksteps // 2)
-        self.wgmma_k(mma, blk_b, tCrA, tCrB, state.index, ksteps // 2, ksteps)
+        if const_expr(n_units > 1):
+            issue(1)
         if kb0 == 0:
             self.load_block_scales(cur, kind, Int32(0), arow, scales, lo, hi)
-        for g in cutlass.range_constexpr(G):
-            kb = kb0 + g
-            if kb + 1 < n_kb:
-                self.load_block_scales(nxt, kind, kb + 1, arow, scales, lo, hi)
-            warpgroup.wait_group(1)
-            self.promote(acc, blk_a, cur[0], cur[2][0], cur[2][1])
-            nxt_state = state.clone()
-            nxt_state.advance()
-            if const_expr(g + 1 < G):
-                pipe.consumer_wait(nxt_state)
-                self.wgmma_k(mma, blk_a, tCrA, tCrB, nxt_state.index, 0, ksteps // 2)
+        for u in cutlass.range_constexpr(n_units):
+            g, h = u // split, u % split
+            if const_expr(h == 0):
+                if kb0 + g + 1 < n_kb:
+                    self.load_block_scales(nxt, kind, kb0 + g + 1, arow, scales, lo, hi)
+            if const_expr(u + 1 < n_units):
                 warpgroup.wait_group(1)
             else:
                 warpgroup.wait_group(0)
-            pipe.consumer_release(state)
-            self.promote(acc, blk_b, cur[1], cur[2][0], cur[2][1])
-            if const_expr(g + 1 < G):
-                self.wgmma_k(mma, blk_b, tCrA, tCrB, nxt_state.index, ksteps // 2, ksteps)
-            for i in cutlass.range_constexpr(3):
-                cur[i].store(nxt[i].load())
-            state = nxt_state
+            if const_expr(h == split - 1):
+                pipe.consumer_release(states[g])
+            self.promote(acc, blks[u % 2], cur[h], cur[2][0], cur[2][1])
+            if const_expr(h == split - 1):
+                for i in cutlass.range_constexpr(3):
+                    cur[i].store(nxt[i].load())
+            if const_expr(u + 2 < n_units):
+                issue(u + 2)
+        return states[G], t_data
+
+    @cute.jit
+    def fp8_k_loop(self, n_kb: cutlass.Constexpr, split: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state,
+                   kind, arow, scales, lo, hi, cur, nxt, t_data):
+        """A W8A8 tile's ``n_kb`` K blocks: FP8_GROUP blocks per loop iteration (``fp8_blocks``), the rest one
+        at a time."""
+        G = FP8_GROUP
+        kb = Int32(0)
+        for _ in cutlass.range(n_kb // G, unroll=1):
+            state, t_data = self.fp8_blocks(G, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, n_kb, kind,
+                                            arow, scales, lo, hi, cur, nxt, t_data)
+            kb = kb + G
+        if const_expr(n_kb % G):
+            for _ in cutlass.range(n_kb % G, unroll=1):
+                state, t_data = self.fp8_blocks(1, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, n_kb, kind,
+                                                arow, scales, lo, hi, cur, nxt, t_data)
+                kb = kb + 1
         return state, t_data
 
     @cute.jit
@@ -521,14 +550,10 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin):
         # half is promoted, so a promotion always runs under a WGMMA; only the last block of a group promotes
         # its second half with nothing in flight (every WGMMA issued in an iteration retires in it: a WGMMA in
         # flight across the back-edge makes ptxas serialize them all, FINDINGS megamoe_fp8_pipelined)
-        G = FP8_GROUP
-        kb = Int32(0)
-        for _ in cutlass.range(n_kb // G, unroll=1):
-            state, t_data = self.fp8_blocks(G, mma, acc, blks, tCrA, tCrB, pipe, state, kb, n_kb, kind, arow,
-                                            scales, lo, hi, cur, nxt, t_data)
-            kb = kb + G
-        for _ in cutlass.range(n_kb % G, unroll=1):
-            state, t_data = self.fp8_blocks(1, mma, acc, blks, tCrA, tCrB, pipe, state, kb, n_kb, kind, arow,
-                                            scales, lo, hi, cur, nxt, t_data)
-            kb = kb + 1
+        if kind == ts.KIND_L1:  # one activation scale per block: whole-block units
+            state, t_data = self.fp8_k_loop(self.k1, 1, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, scales,
+                                            lo, hi, cur, nxt, t_data)
+        else:  # the intermediate's 1 x 64 scales: two units per block
+            state, t_data = self.fp8_k_loop(self.k2, 2, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, scales,
+                                            lo, hi, cur, nxt, t_data)
         return state, t_data
