@@ -58,7 +58,7 @@ BLOCK_N = 128
 STAGE_K = {"bf16": 64, "w8a8": 128}
 PRECISIONS = tuple(STAGE_K)
 # W8A8 K blocks per mainloop iteration (megamoe.kernel.fp8_blocks)
-FP8_GROUP = 4
+FP8_GROUP = 8
 ERR_L1_TIMEOUT = 6
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
 
