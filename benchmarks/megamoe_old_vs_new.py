@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from benchmarks.old_vs_new import OLD_DIR, time_old_new
+from benchmarks.old_vs_new import add_timing_arguments, check_old_tree, old_commit, time_old_new
 
 DTYPES = ("bf16", "w8a8")
 SCHEDULES = ("wave", "interleaved")
@@ -60,8 +60,7 @@ def run(args) -> dict:
         raise SystemExit(f"old_megamoe does not import ({e}): put {args.old} on PYTHONPATH") from e
     from megamoe.api import MegaMoE as NewMoE
 
-    with open(os.path.join(args.old, "COMMIT")) as f:
-        old_commit = f.read().strip()
+    exported = old_commit(args.old)
     print(f"seed={args.seed}")
     rows = []
     with process_group(0, 1, os.path.join(args.tmp, "pg")):
@@ -102,7 +101,7 @@ def run(args) -> dict:
                   f"{same} (max rel diff {diff:.1e})", flush=True)
             del layers
             torch.cuda.empty_cache()
-    return {"provenance": provenance(" ".join(sys.argv)), "old_commit": old_commit, "rows": rows,
+    return {"provenance": provenance(" ".join(sys.argv)), "old_commit": exported, "rows": rows,
             "method": f"world size 1; {args.replays} interleaved rounds of {args.calls_per_graph}-call graphs; "
                       f"{args.pairs} alternating adjacent pairs of one-call graph replays (new - old, and old - "
                       "old as noise); outputs copied out of the layer inside each call, in both columns"}
@@ -110,19 +109,12 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.megamoe_old_vs_new", description=__doc__.split("\n")[0])
-    p.add_argument("--old", default=OLD_DIR, help="the exported tree (python -m benchmarks.old_vs_new --prepare)")
     p.add_argument("--out", required=True, help="result JSON")
     p.add_argument("--cases", nargs="+", type=parse_case, default=[parse_case(c) for c in DEFAULT_CASES],
                    help="SHAPE:TOKENS:ROUTING:DTYPE[:SCHEDULE] (default: " + " ".join(DEFAULT_CASES) + ")")
-    p.add_argument("--replays", type=int, default=10)
-    p.add_argument("--calls-per-graph", type=int, default=2)
-    p.add_argument("--pairs", type=int, default=24)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tmp", default="/tmp")
+    add_timing_arguments(p, calls_per_graph=2, pairs=24)
     args = p.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.old, "COMMIT")):
-        p.error(f"{args.old} holds no exported commit: run python -m benchmarks.old_vs_new --prepare COMMIT first "
-                f"and carry {args.old}")
+    check_old_tree(p, args.old)
     import torch
 
     if not torch.cuda.is_available():

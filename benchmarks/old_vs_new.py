@@ -57,6 +57,30 @@ def _shape(spec: str) -> tuple[int, int, int, int]:
     return (*parts, 128)[:4]
 
 
+def add_timing_arguments(p, *, calls_per_graph: int, pairs: int) -> None:
+    """The options every old-against-new runner takes: the exported tree and the timing (``time_old_new``)."""
+    p.add_argument("--old", default=OLD_DIR,
+                   help="the exported tree (python -m benchmarks.old_vs_new --prepare; on PYTHONPATH for the run)")
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--calls-per-graph", type=int, default=calls_per_graph)
+    p.add_argument("--pairs", type=int, default=pairs)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tmp", default="/tmp")
+
+
+def check_old_tree(p, old: str) -> None:
+    """Refuse (``p.error``) a tree with no exported commit."""
+    if not os.path.isfile(os.path.join(old, "COMMIT")):
+        p.error(f"{old} holds no exported commit: run python -m benchmarks.old_vs_new --prepare COMMIT first and "
+                f"carry {old}")
+
+
+def old_commit(old: str) -> str:
+    """The commit exported into ``old``."""
+    with open(os.path.join(old, "COMMIT")) as f:
+        return f.read().strip()
+
+
 def time_old_new(calls: dict, args, group) -> tuple[dict, dict, dict]:
     """``calls`` {"old": fn, "new": fn} timed side by side: medians of ``args.replays`` interleaved rounds of
     ``args.calls_per_graph``-call graphs, new - old over ``args.pairs`` alternating adjacent one-call replays,
@@ -84,8 +108,7 @@ def run(args) -> dict:
         raise SystemExit(f"old_flash_a2a does not import ({e}): put {args.old} on PYTHONPATH") from e
     from flash_a2a.api import flash_attention as new_fa
 
-    with open(os.path.join(args.old, "COMMIT")) as f:
-        old_commit = f.read().strip()
+    exported = old_commit(args.old)
     rows = []
     with process_group(0, 1, os.path.join(args.tmp, "pg")):
         group = dist.group.WORLD
@@ -106,7 +129,7 @@ def run(args) -> dict:
                   f"{pairs['median_us']:+.2f} [{pairs['q1_us']:+.2f}, {pairs['q3_us']:+.2f}], A/A "
                   f"{noise['median_us']:+.2f} [{noise['q1_us']:+.2f}, {noise['q3_us']:+.2f}]; "
                   f"same bits: {r['identical_output']}", flush=True)
-    return {"provenance": provenance(" ".join(sys.argv)), "old_commit": old_commit, "rows": rows,
+    return {"provenance": provenance(" ".join(sys.argv)), "old_commit": exported, "rows": rows,
             "method": f"{args.replays} interleaved rounds of {args.calls_per_graph}-call graphs; {args.pairs} "
                       "alternating adjacent pairs of one-call graph replays (new - old, and old - old as noise)"}
 
@@ -114,23 +137,17 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.old_vs_new", description=__doc__.split("\n")[0])
     p.add_argument("--prepare", metavar="COMMIT", help="export COMMIT's kernels into --old (needs git; no GPU)")
-    p.add_argument("--old", default=OLD_DIR, help="the exported tree (default .oldtree; on PYTHONPATH for the run)")
     p.add_argument("--out", help="result JSON (the GPU run)")
     p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(x) for x in DEFAULT_SHAPES],
                    help="BxSxH[xD] shapes (default: split and unsplit FA-only shapes)")
-    p.add_argument("--replays", type=int, default=10)
-    p.add_argument("--calls-per-graph", type=int, default=8)
-    p.add_argument("--pairs", type=int, default=48)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tmp", default="/tmp")
+    add_timing_arguments(p, calls_per_graph=8, pairs=48)
     args = p.parse_args(argv)
     if args.prepare:
         print(f"exported {args.prepare} into {prepare(args.prepare, args.old)}")
         return 0
     if not args.out:
         p.error("give --prepare COMMIT (here) or --out JSON (on the GPU)")
-    if not os.path.isfile(os.path.join(args.old, "COMMIT")):
-        p.error(f"{args.old} holds no exported commit: run --prepare COMMIT first and carry {args.old}")
+    check_old_tree(p, args.old)
     result = run(args)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
