@@ -25,7 +25,7 @@ from cute_kernels.runtime import TORCH_TO_CUTLASS, check_error_word
 from flash_a2a.a2a import SymmetricOutput
 from flash_a2a.attention import MODES, FlashAttentionA2AForward
 from flash_a2a.tiling import PARTIAL_FLOATS, TILE_M, TILE_N, WG_THREADS
-from flash_a2a.config import AttentionConfig, resolve_config
+from flash_a2a.config import AttentionConfig, query_tile_rows, resolve_config
 from flash_a2a.mapping import check_ulysses_shapes, relay_share
 from flash_a2a.spans import SPAN_FIELDS, dump_rows
 
@@ -166,13 +166,13 @@ def _split_buffers(device, config: AttentionConfig) -> SplitTailBuffers:
 
 def _kernels_of(config: AttentionConfig, dtype, head_dim: int, mode: str, n_dst: int, instrument: bool,
                 split: SplitTailBuffers | None, dst_ptrs, relay_ptrs=None, separate_kv: bool = False,
-                lse: bool = False, masked: bool = False) -> list[tuple]:
+                lse: bool = False, masked_q: bool = False, masked_kv: bool = False) -> list[tuple]:
     """The config's kernels in launch order, each with its arguments beyond the shared ones: (compiled kernel,
     destinations, (split workspace, counters, k), relay shadows). With a split the whole rounds go first (to
     ``dst_ptrs``, or with the relay to the local shadows), then the chunks; ``relay_ptrs`` =
     (the real destinations, the rounds kernel's table, the shadows to send on). ``separate_kv``: k/v of
-    another shape than q (cross-attention, GQA); ``lse``: the kernel writes the log-sum-exp too; ``masked``:
-    a length that is not a multiple of the tiles."""
+    another shape than q (cross-attention, GQA); ``lse``: the kernel writes the log-sum-exp too; ``masked_q`` /
+    ``masked_kv``: S / S_kv not a multiple of the tile's rows / the KV block."""
     kernels = []
     for launch in config.launches():
         ptrs, work, shadows = dst_ptrs, (None, None, 1), None
@@ -182,7 +182,7 @@ def _kernels_of(config: AttentionConfig, dtype, head_dim: int, mode: str, n_dst:
             work = (split.workspace, split.counters, split.k)
             if config.relay:
                 ptrs, shadows = relay_ptrs[0], relay_ptrs[2]
-        flags = {"separate_kv": separate_kv, "lse": lse, "masked": masked}
+        flags = {"separate_kv": separate_kv, "lse": lse, "masked_q": masked_q, "masked_kv": masked_kv}
         variant = {**launch, **{name: True for name, on in flags.items() if on}}
         kernels.append((_kernel(dtype, head_dim, mode, n_dst, instrument, **variant), ptrs, work, shadows))
     return kernels
@@ -213,12 +213,14 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, tail_spli
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError("out must be a contiguous tensor of q's shape and dtype")
-    n_tiles = -(-s // TILE_M) * h * b
-    masked = bool(s % TILE_M or k.shape[1] % TILE_N)  # a partial last Q tile or KV block
+    tile_m = query_tile_rows("local", d, spans is not None, tile_order_world)
+    n_tiles = -(-s // tile_m) * h * b
+    masked_q, masked_kv = bool(s % tile_m), bool(k.shape[1] % TILE_N)  # a partial last Q tile, KV block
     check_spans(spans, n_tiles, q.device)
     grid = _grid(n_tiles, q.device)
     config = resolve_config("local", n_tiles, grid, -(-k.shape[1] // TILE_N), 1, head_dim=d,
-                            instrument=spans is not None, lse=bool(return_lse), masked=masked, tail_split=tail_split)
+                            instrument=spans is not None, lse=bool(return_lse), masked=masked_q or masked_kv,
+                            tail_split=tail_split, tile_m=tile_m)
     la = _local_args(q.device)
     split = _split_buffers(q.device, config) if config.tail_split else None
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device) if return_lse else None
@@ -226,7 +228,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, tail_spli
     tail = (_scale(softmax_scale, d), tile_order_rank, tile_order_world, grid, DEFAULT_TIMEOUT_NS)
     for fn, ptrs, work, shadows in _kernels_of(config, q.dtype, d, "local", 1, spans is not None, split,
                                                la.dst_ptrs, separate_kv=k.shape != q.shape, lse=lse is not None,
-                                               masked=masked):
+                                               masked_q=masked_q, masked_kv=masked_kv):
         fn(q, k, v, out, ptrs, *head, *tail, *work, shadows, lse)
     return (out, lse) if return_lse else out
 

@@ -1,11 +1,11 @@
 """FlashAttentionA2AForward: a persistent Hopper FlashAttention forward (non-causal, bf16/fp16, d = 64 or
 128) whose epilogue either writes O locally or piggybacks the Ulysses post-attention All-to-All.
 
-CTA = 3 warpgroups. Warpgroup 0 is the producer (one warp issues the TMA loads of Q and of the K/V
-pipeline; in the fused modes another of its warps runs the flag protocol); warpgroups 1 and 2 are the MMA
-warpgroups, 64 query rows each: S = Q Kᵀ with WGMMA from shared memory, online softmax in registers,
+CTA = 3 warpgroups (4 for the 192-row tiles of d = 64). Warpgroup 0 is the producer (one warp issues the TMA
+loads of Q and of the K/V pipeline; in the fused modes another of its warps runs the flag protocol); the others
+are the MMA warpgroups, 64 query rows each: S = Q Kᵀ with WGMMA from shared memory, online softmax in registers,
 O += P V with P from registers. Block n's QKᵀ is issued with block n-1's PV inside a warpgroup, and GEMM issue
-ping-pongs between the two MMA warpgroups so one's softmax runs under the other's GEMMs (as FA3 does). The
+ping-pongs round robin between the MMA warpgroups so one's softmax runs under the others' GEMMs (as FA3 does). The
 grid is persistent (cute_kernels.tile_scheduler): CTA c walks units c, c + grid, ... in the Ulysses tile order.
 
 Epilogue (compile-time ``mode``), per MMA warpgroup, on its own 64-row half of the output tile:
@@ -56,7 +56,7 @@ from cute_kernels.tile_scheduler import WALKS, PersistentTileScheduler, UlyssesT
 from flash_a2a.mapping import RELAY_PACE_KV, RELAY_START_KV, relay_events_in_loop
 from flash_a2a.softmax import OnlineSoftmax
 from flash_a2a.tail_launch import TailLaunchMixin
-from flash_a2a.tiling import TILE_M, TILE_N, WG_THREADS
+from flash_a2a.tiling import TILE_M, TILE_M_D64, TILE_N, WG_THREADS
 
 MODES = ("local", "piggyback", "completion_coupled")
 STORES = ("st", "paced")
@@ -71,15 +71,20 @@ PACE_KV = 2  # store="paced": KV blocks per stored vector (1 measured slower, do
 
 
 class NamedBarrierFwd(enum.IntEnum):
-    """Named barriers (0 is __syncthreads)."""
-    Epilogue = 1  # 1, 2: one per MMA warpgroup, around its sO rows (and the fused kernel's ready gate)
-    TailSplit = 3  # split tail: both MMA warpgroups around a chunk's partial and its count; the relay's setup
-    WarpSchedulerWG1 = 4  # 4, 5: warpgroup ping-pong on GEMM issue
-    WarpSchedulerWG2 = 5
-    Done = 6  # fused: the MMA warpgroups' last stores and the flag warp, before publish_done
+    """Named barriers (0 is __syncthreads), room for three MMA warpgroups."""
+    Epilogue = 1  # 1-3: one per MMA warpgroup, around its sO rows (and the fused kernel's ready gate)
+    TailSplit = 4  # split tail: both MMA warpgroups around a chunk's partial and its count; the relay's setup
+    WarpSchedulerWG1 = 5  # 5-7: warpgroup ping-pong on GEMM issue, round robin
+    WarpSchedulerWG2 = 6
+    WarpSchedulerWG3 = 7
+    Done = 8  # fused: the MMA warpgroups' last stores and the flag warp, before publish_done
 
 
-DONE_THREADS = (TILE_M // 64) * WG_THREADS + 32  # NamedBarrierFwd.Done: both MMA warpgroups and the flag warp
+# Query rows per tile and the register split: 128 rows (two MMA warpgroups, 240 registers each) everywhere,
+# or 192 (three, 160 each: FA4's SM90 configuration for d = 64) for the one-launch local kernel at d = 64
+# (flash_a2a.config.query_tile_rows decides).
+TILE_ROWS = (TILE_M, TILE_M_D64)
+REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}  # MMA warpgroups -> (producer, MMA) registers per thread
 
 
 @dataclass(frozen=True)
@@ -101,20 +106,21 @@ class WalkShape:
 
     @staticmethod
     def create(mQ: cute.Tensor, rank, world, bidx, grid, mK: cute.Tensor | None = None,
-               masked: bool = False) -> "WalkShape":
-        """From the TMA view of q, (S, d, H/P, b), and with separate K/V their view (S_kv, d, H_kv/P, b).
-        ``masked``: the lengths need not be multiples of the tiles (the last tile and block are partial)."""
+               masked_q: bool = False, masked_kv: bool = False, tile_m: int = TILE_M) -> "WalkShape":
+        """From the TMA view of q, (S, d, H/P, b), and with separate K/V their view (S_kv, d, H_kv/P, b), in
+        ``tile_m``-row tiles. ``masked_q`` / ``masked_kv``: S / S_kv need not be a multiple of the tile / block
+        (the last one is partial)."""
         seq = Int32(cute.size(mQ, mode=[0]))
         h_loc = Int32(cute.size(mQ, mode=[2]))
         batch = Int32(cute.size(mQ, mode=[3]))
-        n_kv = (seq + (TILE_N - 1 if masked else 0)) // TILE_N
+        n_kv = (seq + (TILE_N - 1 if masked_kv else 0)) // TILE_N
         rows_per_rank = seq // world
-        n_mb_per_rank = (rows_per_rank + (TILE_M - 1 if masked else 0)) // TILE_M
+        n_mb_per_rank = (rows_per_rank + (tile_m - 1 if masked_q else 0)) // tile_m
         n_tiles = n_mb_per_rank * world * h_loc * batch
         kv_group, kv_len = 1, None
         if mK is not None:
             kv_len = Int32(cute.size(mK, mode=[0]))
-            n_kv = (kv_len + (TILE_N - 1 if masked else 0)) // TILE_N
+            n_kv = (kv_len + (TILE_N - 1 if masked_kv else 0)) // TILE_N
             kv_group = h_loc // Int32(cute.size(mK, mode=[2]))
         return WalkShape(seq, h_loc, n_kv, n_mb_per_rank, n_tiles, rank, world, bidx, grid, kv_group, kv_len)
 
@@ -124,19 +130,19 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     ``walk``: "all", or the split tail's "rounds" / "tail" launches. ``store``: "st" (burst) or "paced"
     (piggyback). ``relay``: the fused tail launch relays the rounds kernel's peer tiles. ``instrument``:
     per-tile span records (compiled out otherwise). ``separate_kv``: K/V of their own length and heads
-    (cross-attention, GQA). ``lse``: also write each row's softmax log-sum-exp (float32 (b, H, S)). ``masked``:
-    lengths that are not a multiple of 128 (the last Q tile and KV block partial)."""
+    (cross-attention, GQA). ``lse``: also write each row's softmax log-sum-exp (float32 (b, H, S)). ``masked_q``
+    / ``masked_kv``: S not a multiple of the tile's rows (the last Q tile partial) / S_kv not one of 128 (the
+    last KV block partial). ``tile_m``: query rows
+    per tile (TILE_ROWS: 192 for the d = 64 one-launch local kernel only)."""
 
-    # register split: the producer warpgroup gives its registers to the two MMA warpgroups
-    num_producer_regs = 24
-    num_mma_regs = 240
     kv_stages = KV_STAGES
     pinned_exponentials = PINNED_EXPONENTIALS
     tail_barrier = NamedBarrierFwd.TailSplit
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", n_dst: int = 1,
                  walk: str = "all", store: str = "st", relay: bool = False, instrument: bool = False,
-                 separate_kv: bool = False, lse: bool = False, masked: bool = False):
+                 separate_kv: bool = False, lse: bool = False, masked_q: bool = False, masked_kv: bool = False,
+                 tile_m: int = TILE_M):
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise ValueError("dtype must be BFloat16 or Float16")
         if head_dim not in (64, 128):
@@ -166,26 +172,38 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         # separate_kv: K and V have a length and head count of their own (cross-attention, GQA/MQA): the KV loop
         # runs over K's blocks and query head h reads K/V head h // (H_q / H_kv); off, they share q's shape
         self.separate_kv, self.lse = bool(separate_kv), bool(lse)
-        # masked: any sequence length; the last Q tile's rows past S are not stored, the last KV block's columns
-        # past S_kv are masked out of the softmax (no padding of the user's tensors: TMA zero-fills the loads).
-        # The one-launch local kernel only, for now.
-        if masked and (mode != "local" or walk != "all"):
-            raise ValueError("masked=True (a length that is not a multiple of 128) is built for the one-launch local "
-                             "kernel: use mode='local' and walk='all'")
-        self.masked = bool(masked)
+        # masked_q / masked_kv: any sequence length; the last Q tile's rows past S are not stored, the last KV
+        # block's columns past S_kv are masked out of the softmax (no padding of the user's tensors: TMA
+        # zero-fills the loads). The one-launch local kernel only, for now.
+        if (masked_q or masked_kv) and (mode != "local" or walk != "all"):
+            raise ValueError("masked_q/masked_kv (a length that is not a multiple of the tiles) are built for the "
+                             "one-launch local kernel: use mode='local' and walk='all'")
+        self.masked_q, self.masked_kv = bool(masked_q), bool(masked_kv)
         self.split = walk == "tail"  # the last round's tiles in KV chunks
         fused = mode != "local"
         self.flags_on = fused  # epoch advance and data flags
         self.ready_on = fused and walk != "tail"  # the tail launch stores local tiles only: no ready gate
         self.publish = fused and walk != "rounds"  # "rounds": the tail launch raises the flags
-        self.num_mma_wg = TILE_M // 64
+        if tile_m not in TILE_ROWS:
+            raise ValueError(f"tile_m must be one of {TILE_ROWS}, got {tile_m}")
+        if tile_m != TILE_M and (head_dim != 64 or mode != "local" or walk != "all" or instrument):
+            raise ValueError(f"tile_m={tile_m} (three MMA warpgroups) is built for the one-launch local kernel at "
+                             "head_dim=64 without instrumentation; use tile_m=128")
+        self.tile_m = tile_m
+        self.num_mma_wg = tile_m // 64
+        # the producer warpgroup gives its registers to the MMA warpgroups
+        self.num_producer_regs, self.num_mma_regs = REGISTER_SPLIT[self.num_mma_wg]
+        self.done_threads = self.num_mma_wg * WG_THREADS + 32  # NamedBarrierFwd.Done: MMA warpgroups, flag warp
         self.num_threads = WG_THREADS * (self.num_mma_wg + 1)
         self.vec = 128 // dtype.width  # elements per 128-bit store
 
     # ---------------------------------------------------------------- host
     def fake_args(self):
         d = self.head_dim
-        b, s, h = cute.sym_int64(), cute.sym_int64(divisibility=1 if self.masked else TILE_M), cute.sym_int64()
+        s_div = 1 if self.masked_q else self.tile_m
+        if not (self.separate_kv or self.masked_kv):  # K/V share q's length: whole KV blocks too
+            s_div = math.lcm(s_div, TILE_N)
+        b, s, h = cute.sym_int64(), cute.sym_int64(divisibility=s_div), cute.sym_int64()
 
         def qkv(rows=s, heads=h):
             return make_fake_tensor(self.dtype, (b, rows, heads, d), stride=(cute.sym_int64(divisibility=self.vec),
@@ -193,7 +211,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                                                                              cute.sym_int64(divisibility=self.vec), 1),
                                     assumed_align=16)
 
-        kv = ((cute.sym_int64(divisibility=1 if self.masked else TILE_N), cute.sym_int64()) if self.separate_kv
+        kv = ((cute.sym_int64(divisibility=1 if self.masked_kv else TILE_N), cute.sym_int64()) if self.separate_kv
               else (s, h))
 
         i64 = make_fake_tensor(Int64, (cute.sym_int64(),), stride=(1,), assumed_align=8)
@@ -234,12 +252,12 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
-        sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
+        sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (self.tile_m, d))
         sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.kv_stages)
         sV_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.kv_stages)
-        sO_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_M, d))
+        sO_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (self.tile_m, d))
         load_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_layout, (TILE_M, d))
+        tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_layout, (self.tile_m, d))
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(load_op, mKt, cute.select(sK_layout, mode=[0, 1]), (TILE_N, d), 1)
         tma_v, gV_tma = cpasync.make_tiled_tma_atom(load_op, mVt, cute.select(sV_layout, mode=[0, 1]), (TILE_N, d), 1)
         tx_q = cute.size_in_bytes(self.dtype, sQ_layout)
@@ -300,7 +318,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
 
         shape = WalkShape.create(mQ, rank, world, bidx, grid, mK if const_expr(self.separate_kv) else None,
-                                 self.masked)
+                                 self.masked_q, self.masked_kv, self.tile_m)
         protocol = FlagProtocol(flag_ptrs, flags, epoch, counter, errors, timeout_ns)
         pipes = (pipe_q, pipe_k, pipe_v)
 
@@ -370,7 +388,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                     spans[row, 0] = t_start
                     spans[row, 1] = cute.arch.globaltimer()
         if const_expr(self.publish):
-            cute.arch.barrier_arrive(barrier_id=NamedBarrierFwd.Done, number_of_threads=DONE_THREADS)
+            cute.arch.barrier_arrive(barrier_id=NamedBarrierFwd.Done, number_of_threads=self.done_threads)
 
     @cute.jit
     def load(self, mQ, mK, mV, smem, tmas, pipes, shape: WalkShape, split_k=None):
@@ -388,7 +406,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             if const_expr(self.split):
                 t, kv0, kv1, _, _ = sched.work(u)
             m_block, h, bb, _ = order.coords(t)
-            gQ = cute.local_tile(mQ[None, None, h, bb], (TILE_M, d), (m_block, 0))
+            gQ = cute.local_tile(mQ[None, None, h, bb], (self.tile_m, d), (m_block, 0))
             load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ, single_stage=True)
             h_kv = h
             if const_expr(self.separate_kv):
@@ -409,14 +427,23 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                     kv_state.advance()
             else:
                 for n in cutlass.range(shape.n_kv, unroll=1):
+                    src = n
+                    if const_expr(self.masked_kv):  # the partial last block first, where the Q-loop masks it
+                        src = n - 1 + shape.n_kv * Int32(n == 0)
                     pipe_k.producer_acquire(kv_state)
-                    load_k(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    load_k(src_idx=src, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
                     pipe_v.producer_acquire(kv_state)
-                    load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                    load_v(src_idx=src, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
         pipe_v.producer_tail(kv_state)
 
     # ---------------------------------------------------------------- MMA warpgroups: the Q-loop
+    def next_wg(self, wg):
+        """The MMA warpgroup whose GEMMs issue after ``wg``'s (the ping-pong's round robin)."""
+        if const_expr(self.num_mma_wg == 2):
+            return 1 - wg
+        return (wg + 1) % self.num_mma_wg
+
     @cute.jit
     def pinned_sum(self, softmax: OnlineSoftmax, acc_s) -> Float32:
         """Sum of the first ``pinned_exponentials`` exponentials of this thread (row-major over its rows): whole
@@ -436,19 +463,17 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     @cute.jit
     def overlapped_block(self, softmax: OnlineSoftmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
                          tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg, drip=None, block=None,
-                         n_groups=None, relay=None, relay_end=None, kv_mask=None):
+                         n_groups=None, relay=None, relay_end=None):
         """One KV block n >= 1 of the Q-loop: S = Q Kₙᵀ issued with block n-1's O += P V.
         ``drip`` (store="paced"): on every PACE_KV-th ``block`` (counted from 0) of the first n_groups·PACE_KV,
         also store the next vector of the previous tile's rows from sO. ``relay``: on every RELAY_PACE_KV-th
-        ``block`` from RELAY_START_KV below ``relay_end``, the next relay event. ``kv_mask`` (masked): (this
-        thread's S coordinates, the last block's index among the loop's, its valid columns): in that block the
-        other columns leave the softmax."""
-        other = 1 - wg
+        ``block`` from RELAY_START_KV below ``relay_end``, the next relay event."""
+        other = self.next_wg(wg)
         kv_v = kv_state.clone()
         kv_state.advance()
         pipe_k.consumer_wait(kv_state)
         cute.arch.barrier(barrier_id=NamedBarrierFwd.WarpSchedulerWG1 + wg, number_of_threads=2 * WG_THREADS)
-        acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
+        acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (self.tile_m, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
                                           wg_wait=-1)
         # O times the previous block's factor while this block's QKᵀ runs, before the PV GEMM is issued
         softmax.rescale(acc_o, pending_scale, True)
@@ -466,9 +491,6 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                 if (block - RELAY_START_KV) % RELAY_PACE_KV == 0:
                     self.relay_event((block - RELAY_START_KV) // RELAY_PACE_KV, relay)
         warpgroup.wait_group(1)  # S ready; PV may still run
-        if const_expr(kv_mask is not None):
-            if block == kv_mask[1]:
-                self.mask_columns(acc_s, kv_mask[0], kv_mask[2])
         row_scale = softmax.update(acc_s, False, RESCALE_THRESHOLD)
         # ptxas sinks the exponentials below the PV wait (they are consumed after it), which takes the softmax
         # off this warpgroup's own PV GEMM. Releasing K under a predicate that reads the pinned exponentials
@@ -493,22 +515,23 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         PV GEMM drains, and the other warpgroup's GEMMs run under this warpgroup's softmax. store="paced":
         ``drip`` = (the warpgroup's tile store, the previous tile's destination address, heads), whose vectors
         [0, n_groups) go out in the loop and [n_groups, n_pending) after it. relay: ``relay`` (the relay_event
-        state), whose events [0, n_relay) run in the loop. ``kv_mask`` (masked): (this thread's S coordinates,
-        the last KV block's valid columns), applied under a uniform branch in the loop (peeled into a block of
-        its own, ptxas kept 46/49 of 66 exponentials ahead of the PV wait against the branch's 47)."""
-        other = 1 - wg
+        state), whose events [0, n_relay) run in the loop. ``kv_mask`` (masked_kv): (thread 0's S coordinates,
+        the partial KV block's valid columns shifted to thread 0's), applied to the loop's first block: the
+        producer loads the partial last block first (softmax is order-free), so the KV loop is the unmasked
+        kernel's (a uniform branch in the loop kept 47 of 66 exponentials ahead of the PV wait, not 52, and at
+        160 registers it spilled)."""
+        other = self.next_wg(wg)
         # first block: S only (ping-ponged too: measured faster than leaving it free, as FA3/FA4 do)
         pipe_k.consumer_wait(kv_state)
         cute.arch.barrier(barrier_id=NamedBarrierFwd.WarpSchedulerWG1 + wg, number_of_threads=2 * WG_THREADS)
-        acc_s0 = sm90_utils.gemm_zero_init(tiled_mma_qk, (TILE_M, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
+        acc_s0 = sm90_utils.gemm_zero_init(tiled_mma_qk, (self.tile_m, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
                                            wg_wait=-1)
         cute.arch.barrier_arrive(barrier_id=NamedBarrierFwd.WarpSchedulerWG1 + other,
                                  number_of_threads=2 * WG_THREADS)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(kv_state)
-        if const_expr(kv_mask is not None):
-            if n_kv == 1:  # one KV block, partial
-                self.mask_columns(acc_s0, kv_mask[0], kv_mask[1])
+        if const_expr(kv_mask is not None):  # the producer loads the partial last KV block first
+            self.mask_columns(acc_s0, kv_mask[0], kv_mask[1])
         softmax.update(acc_s0, True)
         tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s0).load().to(self.dtype))
         acc_o.fill(0.0)
@@ -530,12 +553,6 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                 kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
                                                  tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg,
                                                  block=i, relay=relay, relay_end=relay_end)
-        elif const_expr(kv_mask is not None):
-            last = (kv_mask[0], n_kv - 2, kv_mask[1])  # the loop's block i is KV block i + 1
-            for i in cutlass.range(n_kv - 1, unroll=1):
-                kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
-                                                 tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg, block=i,
-                                                 kv_mask=last)
         else:
             for _ in cutlass.range(n_kv - 1, unroll=1):
                 kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
@@ -553,7 +570,9 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     @cute.jit
     def mask_columns(self, acc_s, coords_mn, valid):
         """S entries of columns >= ``valid`` (of this KV block) to -inf, so they take no softmax mass (TMA
-        zero-filled their K rows: unmasked they would score 0)."""
+        zero-filled their K rows: unmasked they would score 0). ``coords_mn``: thread 0's S coordinates (compile-
+        time constants), ``valid`` shifted by this thread's column offset from thread 0's (one register, not 64
+        coordinates held across the Q-loop: at 160 registers those spilled)."""
         s_mn = layout_utils.reshape_acc_to_mn(acc_s)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
@@ -581,9 +600,9 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         wg_layout = cute.make_layout(self.num_mma_wg, stride=WG_THREADS)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg))
         wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg))
-        _, tSrQ, tSrK = sm90_utils.partition_fragment_ABC(wg_mma_qk, (TILE_M, TILE_N, d), sQ, sK)
+        _, tSrQ, tSrK = sm90_utils.partition_fragment_ABC(wg_mma_qk, (self.tile_m, TILE_N, d), sQ, sK)
         sVt = layout_utils.transpose_view(sV)
-        acc_o, tOrP, tOrVt = sm90_utils.partition_fragment_ABC(wg_mma_pv, (TILE_M, d, TILE_N), None, sVt)
+        acc_o, tOrP, tOrVt = sm90_utils.partition_fragment_ABC(wg_mma_pv, (self.tile_m, d, TILE_N), None, sVt)
         # Epilogue: registers -> sO (stmatrix) -> 128-bit stores by this warpgroup's 128 threads.
         st_atom = copy_utils.get_smem_store_atom(self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
@@ -604,13 +623,14 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         sched, order = self.walk_policies(shape, split_args[2])
         kv_mask = None
-        if const_expr(self.masked):  # this thread's S coordinates, and the last KV block's valid columns
+        if const_expr(self.masked_kv):  # S coordinates, and the last KV block's valid columns (see mask_columns)
             kv_len = shape.seq
             if const_expr(self.separate_kv):
                 kv_len = shape.kv_len
-            coords = layout_utils.reshape_acc_to_mn(
-                tiled_mma_qk.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-            kv_mask = (coords, kv_len - (n_kv - 1) * TILE_N)
+            c_s = cute.make_identity_tensor((self.tile_m, TILE_N))
+            coords0 = layout_utils.reshape_acc_to_mn(tiled_mma_qk.get_slice(0).partition_C(c_s))
+            coords = layout_utils.reshape_acc_to_mn(tiled_mma_qk.get_slice(tidx).partition_C(c_s))
+            kv_mask = (coords0, kv_len - (n_kv - 1) * TILE_N - (coords[0, 0][1] - coords0[0, 0][1]))
         if const_expr(self.relay):
             relay = self.relay_state(dst_ptrs, relay_shadows, s_relay, shape, tidx)
             r_steps = relay[1]
@@ -669,7 +689,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                 for c in cutlass.range_constexpr(chunks):
                     self.store_chunk((tile_store, pend_addr, heads), c)
         if const_expr(self.publish):
-            cute.arch.barrier(barrier_id=NamedBarrierFwd.Done, number_of_threads=DONE_THREADS)
+            cute.arch.barrier(barrier_id=NamedBarrierFwd.Done, number_of_threads=self.done_threads)
             if const_expr(self.walk == "tail"):
                 cute.arch.griddepcontrol_wait()  # the rounds kernel is complete, its stores performed
             publish_done(protocol.flag_ptrs, protocol.counter, protocol.epoch, shape.rank, world, e_next,
@@ -679,12 +699,12 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     def store_lse(self, mLSE, row_lse, tiled_mma_pv, tidx, m_block, h, bb):
         """lse=True: each quad's first thread writes its rows' log-sum-exp to mLSE[b, h, row] (the rows found
         from the accumulator's own layout, as for O)."""
-        c_o = cute.make_identity_tensor((TILE_M, self.head_dim))
+        c_o = cute.make_identity_tensor((self.tile_m, self.head_dim))
         rows = layout_utils.reshape_acc_to_mn(tiled_mma_pv.get_slice(tidx).partition_C(c_o))
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(row_lse)):
-                row = m_block * TILE_M + rows[r, 0][0]
-                if const_expr(self.masked):
+                row = m_block * self.tile_m + rows[r, 0][0]
+                if const_expr(self.masked_q):
                     if row < cute.size(mLSE, mode=[2]):
                         mLSE[bb, h, row] = row_lse[r]
                 else:
@@ -725,23 +745,23 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         if const_expr(self.store == "st"):
             tile_store.load_staged()
         if const_expr(self.mode == "local"):
-            row0 = m_block * TILE_M + wg * 64
+            row0 = m_block * self.tile_m + wg * 64
             base = mO.iterator + cute.assume(((Int64(bb) * shape.seq + row0) * h_loc + h) * d, divby=self.vec)
             row_stride = cute.assume(h_loc * d, divby=d)
         else:
             # Destination row from block counts, not from S/P: holding S/P live across the mainloop (a division
             # ptxas keeps in a register) changed its schedule (61 of 66 exponentials ahead of the PV wait instead
             # of local's 51; tests/test_flash_attention.py checks they now agree).
-            rows_per_rank = n_mb_per_rank * TILE_M
-            drow = (m_block - dest * n_mb_per_rank) * TILE_M + wg * 64
+            rows_per_rank = n_mb_per_rank * self.tile_m
+            drow = (m_block - dest * n_mb_per_rank) * self.tile_m + wg * 64
             peer = cute.make_ptr(self.dtype, dst_ptrs[dest], cute.AddressSpace.gmem, assumed_align=16)
             base = peer + cute.assume(((Int64(bb) * rows_per_rank + drow) * heads + rank * h_loc + h) * d,
                                       divby=self.vec)
             row_stride = cute.assume(heads * d, divby=d)
         gt0, ck0 = timers.now()
         if const_expr(self.store == "st"):
-            if const_expr(self.masked):  # the last tile's rows past S stay unwritten
-                tile_store.burst_rows(base, row_stride, shape.seq - m_block * TILE_M - wg * 64)
+            if const_expr(self.masked_q):  # the last tile's rows past S stay unwritten
+                tile_store.burst_rows(base, row_stride, shape.seq - m_block * self.tile_m - wg * 64)
             else:
                 tile_store.burst(base, row_stride)
             if const_expr(self.mode == "completion_coupled"):

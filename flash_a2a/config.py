@@ -13,14 +13,26 @@ from dataclasses import dataclass
 
 from cute_kernels.tile_scheduler import local_tail
 from flash_a2a.mapping import RELAY_START_KV, RELAY_THREADS
+from flash_a2a.tiling import TILE_M, TILE_M_D64
 
 OPTIONS = {"tail_split": ("auto", True, False), "store": ("auto", "st", "paced"), "relay": ("auto", True, False)}
 
 
+def query_tile_rows(mode: str, head_dim: int, instrument: bool = False, tile_order_world: int = 1) -> int:
+    """Query rows per tile: TILE_M_D64 (192, three MMA warpgroups: FA4's SM90 configuration for d <= 64, where
+    with two warpgroups the Tensor Cores idle under the softmax, whose exponentials per KV block take as long as
+    its GEMMs at d = 64) for the one-launch local kernel at d = 64 walking its own order,
+    TILE_M (128) everywhere else: the fused kernels and FA-only in their tile order (the Ulysses mapping's
+    128-row tiles), d = 128, and the instrumented kernels (the spans dump has two warpgroup rows per tile)."""
+    if mode == "local" and head_dim == 64 and not instrument and tile_order_world == 1:
+        return TILE_M_D64
+    return TILE_M
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
-    """What one launch shape runs. ``grid`` CTAs (one per SM) walk ``n_tiles`` 128-row tiles of ``n_kv`` KV
-    blocks each, over ``world`` destination ranks (1: FA-only).
+    """What one launch shape runs. ``grid`` CTAs (one per SM) walk ``n_tiles`` tiles of ``tile_m`` query rows
+    (``query_tile_rows``) and ``n_kv`` KV blocks each, over ``world`` destination ranks (1: FA-only).
 
     - ``tail_split``: the whole rounds in one launch (walk "rounds"), then the last round's tiles in ``split_k``
       KV chunks each in a second, programmatic dependent launch (walk "tail"); False: one launch (walk "all").
@@ -38,12 +50,14 @@ class AttentionConfig:
     split_k: int
     store: str
     relay: bool
+    tile_m: int = TILE_M
 
     def launches(self) -> tuple[dict, ...]:
         """The kernels of one call, in launch order, as FlashAttentionA2AForward keyword arguments beyond
         dtype, head_dim, mode, n_dst and instrument."""
         if not self.tail_split:
-            return ({"walk": "all", "store": self.store},)
+            rows = {} if self.tile_m == TILE_M else {"tile_m": self.tile_m}
+            return ({"walk": "all", "store": self.store, **rows},)
         return ({"walk": "rounds", "store": self.store}, {"walk": "tail", "relay": self.relay})
 
 
@@ -152,11 +166,13 @@ def _option(name: str, value):
 
 def resolve_config(mode: str, n_tiles: int, grid: int, n_kv: int, world: int = 1, *, head_dim: int = 128,
                    instrument: bool = False, lse: bool = False, masked: bool = False, relay_vectors: int = 0,
+                   tile_m: int = TILE_M,
                    tail_split="auto",
                    store="auto", relay="auto") -> AttentionConfig:
     """The launch plan of one shape: ``mode`` ("local" for FA-only, or a fused mode), its walk (``n_tiles``,
     ``grid``, ``n_kv``), ``world`` (the fused kernel's destination ranks; 1 for FA-only, whatever tile order it
-    walks), ``relay_vectors`` (the relay's 16 B vectors: its indices are 32-bit) and the three options.
+    walks), ``relay_vectors`` (the relay's 16 B vectors: its indices are 32-bit), ``tile_m`` (the walk's query rows
+    per tile, ``query_tile_rows``) and the three options.
 
     - tail_split "auto": the split where it pays (``tail_launch_pays``: a tail the fused walk keeps local, saving
       more than the second launch costs); True: wherever some k shortens the tail (ValueError where the tail is
@@ -174,7 +190,7 @@ def resolve_config(mode: str, n_tiles: int, grid: int, n_kv: int, world: int = 1
     split = False
     if tail_split is not False:
         plan = launch_split(n_tiles, grid, n_kv, world)
-        takes = head_dim == 128 and not (instrument or lse or masked)
+        takes = head_dim == 128 and tile_m == TILE_M and not (instrument or lse or masked)
         if tail_split is True:
             if not takes:
                 raise ValueError("tail_split=True: the split tail kernel is built for head_dim=128 without "
@@ -205,4 +221,5 @@ def resolve_config(mode: str, n_tiles: int, grid: int, n_kv: int, world: int = 1
     elif relay == "auto":
         relay = (mode == "piggyback" and store == "st" and fits and relay_pays(n_tiles, grid, n_kv, world, split))
     return AttentionConfig(mode=mode, world=world if fused else 1, n_tiles=n_tiles, grid=grid, n_kv=n_kv,
-                           tail_split=split, split_k=split_k, store=store if fused else "st", relay=bool(relay))
+                           tail_split=split, split_k=split_k, store=store if fused else "st", relay=bool(relay),
+                           tile_m=tile_m)
