@@ -1,7 +1,9 @@
-"""An experiment (issue 29, head dim 64): our FA-only kernel at d = 64 with other K/V stage counts and pinned
-exponential counts, beside the default and flash-attn-4, one process, CUDA-Graph replay in interleaved rounds.
+"""An experiment (issue 29): our FA-only kernel with other tile rows, K/V and Q stage counts and pinned
+exponential counts, beside the default, flash-attn-4 and cuDNN, one process, CUDA-Graph replay in interleaved
+rounds (a fresh order each round). d = 64 rows sweep the 192-row three-warpgroup kernel; the cross-attention
+row (few KV blocks per tile) the Q double buffer.
 
-    python -m benchmarks.hdim64_sweep --out J
+    python -m benchmarks.hdim64_sweep --out J [--replays N]
 """
 from __future__ import annotations
 
@@ -10,9 +12,14 @@ import json
 import os
 import sys
 
-VARIANTS = {"s2_p40": (2, 40), "s3_p40": (3, 40), "s4_p40": (4, 40), "s2_p24": (2, 24), "s2_p64": (2, 64),
-            "s2_p0": (2, 0), "s3_p64": (3, 64), "s3_p24": (3, 24)}
-SHAPES = ((1, 4096, 16), (1, 8192, 12))
+# name -> (class attributes, constructor keywords) beside the API's default (flash_attention)
+D64 = {"t192_s3": ({"kv_stages": 3}, {"tile_m": 192}), "t192_p24": ({"pinned_exponentials": 24}, {"tile_m": 192}),
+       "t192_p48": ({"pinned_exponentials": 48}, {"tile_m": 192}),
+       "t192_p64": ({"pinned_exponentials": 64}, {"tile_m": 192}),
+       "t192_q2": ({"q_stages": 2}, {"tile_m": 192}), "t128": ({}, {"tile_m": 128})}
+D128 = {"q2": ({"q_stages": 2}, {}), "s3": ({"kv_stages": 3}, {}), "q2_s3": ({"q_stages": 2, "kv_stages": 3}, {})}
+SHAPES = ((1, 8192, 12, 64, 8192), (1, 32760, 12, 64, 32760), (1, 4096, 16, 64, 4096), (1, 8192, 16, 128, 512),
+          (1, 8192, 16, 64, 512))
 
 
 def run(args) -> dict:
@@ -23,50 +30,71 @@ def run(args) -> dict:
     import torch.distributed as dist
     from cutlass.runtime import make_fake_stream
 
-    from benchmarks.baselines import fa4_forward
+    from benchmarks.baselines import cudnn_forward, fa4_forward
     from benchmarks.timing import capture_graph, measure_rounds
     from cute_kernels.compile import compile_kernel
     from cute_kernels.dist import process_group
     from cute_kernels.runtime import provenance
-    from flash_a2a.api import _grid, _local_args
+    from flash_a2a.api import _local_args, flash_attention
     from flash_a2a.attention import FlashAttentionA2AForward
 
-    compiled = {}
-    for name, (stages, pin) in VARIANTS.items():
-        cls = type(name, (FlashAttentionA2AForward,), {"kv_stages": stages, "pinned_exponentials": pin})
-        k = cls(cutlass.BFloat16, 64, "local")
-        compiled[name] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
+    cache = {}
+
+    def kernel(name, attrs, kw, d, flags):
+        key = (name, d, tuple(sorted(flags.items())))
+        if key not in cache:
+            cls = type(name, (FlashAttentionA2AForward,), attrs)
+            k = cls(cutlass.BFloat16, d, "local", **kw, **flags)
+            cache[key] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
+        return cache[key]
+
     rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     with process_group(0, 1, os.path.join(args.tmp, "hdim64_pg")):
         group = dist.group.WORLD
-        torch.manual_seed(0)
-        for b, s, h in SHAPES:
-            q, k, v = (torch.randn(b, s, h, 64, device="cuda").to(torch.bfloat16) for _ in range(3))
+        torch.manual_seed(args.seed)
+        print(f"seed={args.seed}")
+        for b, s, h, d, s_kv in SHAPES:
+            q = torch.randn(b, s, h, d, device="cuda").to(torch.bfloat16)
+            k, v = (torch.randn(b, s_kv, h, d, device="cuda").to(torch.bfloat16) for _ in range(2))
             la = _local_args(q.device)
-            grid = _grid((s // 128) * h * b, q.device)
-            outs = {n: torch.empty_like(q) for n in VARIANTS}
+            variants = D64 if d == 64 else D128
+            outs = {n: torch.empty_like(q) for n in (*variants, "default")}
 
-            def launch(n):
-                return lambda: compiled[n](q, k, v, outs[n], la.dst_ptrs, la.flag_ptrs, la.flags, la.epoch,
-                                           la.counter, la.errors, la.spans, 1 / math.sqrt(64), 0, 1, grid,
-                                           2_000_000_000, None, None, 1, None, None)
+            def launch(n, attrs, kw):
+                tile_m = kw.get("tile_m", 128)
+                flags = {"masked_q": bool(s % tile_m), "masked_kv": bool(s_kv % 128), "separate_kv": s_kv != s}
+                fn = kernel(n, attrs, kw, d, {f: True for f, on in flags.items() if on})
+                grid = min((-(-s // tile_m)) * h * b, sms)
+                return lambda: fn(q, k, v, outs[n], la.dst_ptrs, la.flag_ptrs, la.flags, la.epoch, la.counter,
+                                  la.errors, la.spans, 1 / math.sqrt(d), 0, 1, grid, 2_000_000_000, None, None, 1,
+                                  None, None)
 
-            calls = {n: launch(n) for n in VARIANTS}
+            calls = {n: launch(n, *spec) for n, spec in variants.items()}
+            calls["default"] = lambda: flash_attention(q, k, v, out=outs["default"])
             calls["fa4"] = lambda: fa4_forward(q, k, v)
-            columns = {n: (fn, capture_graph(fn, 8, group)[0]) for n, fn in calls.items()}
-            medians, _ = measure_rounds(columns, 8, args.replays, group)
+            calls["cudnn"] = lambda: cudnn_forward(q, k, v)
+            for fn in calls.values():
+                fn()
+            columns = {n: (fn, capture_graph(fn, args.calls_per_graph, group)[0]) for n, fn in calls.items()}
+            medians, _ = measure_rounds(columns, args.calls_per_graph, args.replays, group)
             torch.cuda.synchronize()
-            same = {n: bool(torch.equal(outs[n], outs["s2_p40"])) for n in VARIANTS}
-            rows.append({"shape": [b, s, h, 64], "us": medians, "same_bits_as_default": same})
-            print(f"{b}x{s}x{h}x64: " + ", ".join(f"{n} {t:.1f}" for n, t in sorted(medians.items(), key=lambda x: x[1]))
-                  + f"; same bits: {same}", flush=True)
-    return {"provenance": provenance(" ".join(sys.argv)), "variants": VARIANTS, "rows": rows}
+            ref = outs["default"].float()
+            err = {n: float((outs[n].float() - ref).abs().max()) for n in variants}
+            rows.append({"shape": [b, s, h, d, s_kv], "us": medians, "max_abs_diff_to_default": err})
+            print(f"{b}x{s}x{h}x{d} S_kv={s_kv}: " + ", ".join(
+                f"{n} {t:.1f}" for n, t in sorted(medians.items(), key=lambda x: x[1])) + f"; diffs {err}",
+                flush=True)
+    return {"provenance": provenance(" ".join(sys.argv)), "variants": {"d64": D64, "d128": D128}, "rows": rows,
+            "method": f"{args.replays} interleaved rounds of {args.calls_per_graph}-call graphs, medians (µs)"}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hdim64_sweep", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--replays", type=int, default=8)
+    p.add_argument("--calls-per-graph", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tmp", default="/tmp")
     args = p.parse_args(argv)
     with open(args.out, "w") as f:

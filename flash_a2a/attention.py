@@ -136,6 +136,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     per tile (TILE_ROWS: 192 for the d = 64 one-launch local kernel only)."""
 
     kv_stages = KV_STAGES
+    q_stages = 1
     pinned_exponentials = PINNED_EXPONENTIALS
     tail_barrier = NamedBarrierFwd.TailSplit
 
@@ -252,20 +253,23 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
-        sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (self.tile_m, d))
+        q_staged = self.q_stages > 1
+        sQ_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (self.tile_m, d),
+                                                self.q_stages if q_staged else None)
         sK_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.kv_stages)
         sV_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (TILE_N, d), self.kv_stages)
         sO_layout = sm90_utils.make_smem_layout(self.dtype, LayoutEnum.ROW_MAJOR, (self.tile_m, d))
         load_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_layout, (self.tile_m, d))
+        sQ_box = cute.select(sQ_layout, mode=[0, 1]) if const_expr(q_staged) else sQ_layout
+        tma_q, gQ_tma = cpasync.make_tiled_tma_atom(load_op, mQt, sQ_box, (self.tile_m, d))
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(load_op, mKt, cute.select(sK_layout, mode=[0, 1]), (TILE_N, d), 1)
         tma_v, gV_tma = cpasync.make_tiled_tma_atom(load_op, mVt, cute.select(sV_layout, mode=[0, 1]), (TILE_N, d), 1)
-        tx_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        tx_q = cute.size_in_bytes(self.dtype, sQ_box)
         tx_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[Int64, 2]
+            mbar_q: cute.struct.MemRange[Int64, 2 * self.q_stages]
             mbar_k: cute.struct.MemRange[Int64, 2 * self.kv_stages]
             mbar_v: cute.struct.MemRange[Int64, 2 * self.kv_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -345,7 +349,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             storage = storage.main
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4)
-        pipe_q = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
+        pipe_q = pipeline.PipelineTmaAsync.create(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages,
                                                   producer_group=one_thread, consumer_group=mma_warps,
                                                   tx_count=tx_q, defer_sync=True)
         kv_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4)
@@ -397,7 +401,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         sQ, sK, sV = smem
         tma_q, tma_k, tma_v = tmas
         pipe_q, pipe_k, pipe_v = pipes
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         sched, order = self.walk_policies(shape, split_k)
         for u in cutlass.range(sched.initial(), sched.end, sched.stride, unroll=1):
@@ -406,8 +410,12 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             if const_expr(self.split):
                 t, kv0, kv1, _, _ = sched.work(u)
             m_block, h, bb, _ = order.coords(t)
-            gQ = cute.local_tile(mQ[None, None, h, bb], (self.tile_m, d), (m_block, 0))
-            load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ, single_stage=True)
+            if const_expr(self.q_stages == 1):
+                gQ = cute.local_tile(mQ[None, None, h, bb], (self.tile_m, d), (m_block, 0))
+                load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ, single_stage=True)
+            else:
+                gQ = cute.local_tile(mQ[None, None, h, bb], (self.tile_m, d), (None, 0))
+                load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ)
             h_kv = h
             if const_expr(self.separate_kv):
                 h_kv = h // shape.kv_group
@@ -416,7 +424,10 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             load_k, _, _ = copy_utils.tma_get_copy_fn(tma_k, 0, cute.make_layout(1), gK, sK)
             load_v, _, _ = copy_utils.tma_get_copy_fn(tma_v, 0, cute.make_layout(1), gV, sV)
             pipe_q.producer_acquire(q_state)
-            load_q(tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            if const_expr(self.q_stages == 1):
+                load_q(tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            else:
+                load_q(src_idx=m_block, dst_idx=q_state.index, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
             if const_expr(self.split):
                 for n in cutlass.range(kv0, kv1, unroll=1):
@@ -619,7 +630,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             pend_addr = Int64(0)  # their destination
         if wg == 0:  # the first warpgroup issues first
             cute.arch.barrier_arrive(barrier_id=NamedBarrierFwd.WarpSchedulerWG1, number_of_threads=2 * WG_THREADS)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         sched, order = self.walk_policies(shape, split_args[2])
         kv_mask = None
@@ -644,17 +655,20 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             m_block, h, bb, dest = order.coords(t)
             softmax = OnlineSoftmax.create(scale_log2, cute.size(layout_utils.reshape_acc_to_mn(acc_o), mode=[0]))
             pipe_q.consumer_wait(q_state)
+            tSrQ_u = tSrQ  # this unit's Q stage
+            if const_expr(self.q_stages > 1):
+                tSrQ_u = tSrQ[None, None, None, q_state.index]
             if const_expr(paced):
                 n_groups = cutlass.min(Int32(chunks), (n_kv - 1) // PACE_KV) * pend  # vectors sent in the loop
-                kv_state = self.q_loop(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_q,
+                kv_state = self.q_loop(softmax, acc_o, tOrP, tSrQ_u, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_q,
                                        q_state, pipe_k, pipe_v, kv_state, n_kv, wg, (tile_store, pend_addr, heads),
                                        n_groups, pend * chunks)
             elif const_expr(self.relay):
                 n_relay = relay_events_in_loop(n_this, r_steps, RELAY_START_KV) * (1 - cutlass.min(Int32(1), r_done))
-                kv_state = self.q_loop(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_q,
+                kv_state = self.q_loop(softmax, acc_o, tOrP, tSrQ_u, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_q,
                                        q_state, pipe_k, pipe_v, kv_state, n_this, wg, relay=relay, n_relay=n_relay)
             else:
-                kv_state = self.q_loop(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_q,
+                kv_state = self.q_loop(softmax, acc_o, tOrP, tSrQ_u, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_q,
                                        q_state, pipe_k, pipe_v, kv_state, n_this, wg, kv_mask=kv_mask)
             q_state.advance()
             if const_expr(self.relay):
