@@ -13,13 +13,15 @@ import os
 import sys
 
 # name -> (class attributes, constructor keywords) beside the API's default (flash_attention)
-D64 = {"t192_s3": ({"kv_stages": 3}, {"tile_m": 192}), "t192_p24": ({"pinned_exponentials": 24}, {"tile_m": 192}),
-       "t192_p48": ({"pinned_exponentials": 48}, {"tile_m": 192}),
-       "t192_p64": ({"pinned_exponentials": 64}, {"tile_m": 192}),
-       "t192_q2": ({"q_stages": 2}, {"tile_m": 192}), "t128": ({}, {"tile_m": 128})}
+D64 = {"t192_q2": ({"q_stages": 2}, {"tile_m": 192}),
+       "t192_q2_p24": ({"q_stages": 2, "pinned_exponentials": 24}, {"tile_m": 192}),
+       "t192_q2_p32": ({"q_stages": 2, "pinned_exponentials": 32}, {"tile_m": 192}),
+       "t192_q2_p48": ({"q_stages": 2, "pinned_exponentials": 48}, {"tile_m": 192}),
+       "t192_q2_s3": ({"q_stages": 2, "kv_stages": 3}, {"tile_m": 192}),
+       "t192_p24": ({"pinned_exponentials": 24}, {"tile_m": 192})}
 D128 = {"q2": ({"q_stages": 2}, {})}  # a third K/V stage does not fit in shared memory at d = 128
 SHAPES = ((1, 8192, 12, 64, 8192), (1, 32760, 12, 64, 32760), (1, 4096, 16, 64, 4096), (1, 8192, 16, 128, 512),
-          (1, 8192, 16, 64, 512))
+          (1, 8192, 16, 64, 512), (1, 4096, 16, 128, 4096), (1, 32760, 12, 128, 32760), (1, 8192, 24, 128, 8192))
 
 
 def run(args) -> dict:
@@ -77,11 +79,12 @@ def run(args) -> dict:
             for fn in calls.values():
                 fn()
             columns = {n: (fn, capture_graph(fn, args.calls_per_graph, group)[0]) for n, fn in calls.items()}
-            medians, _ = measure_rounds(columns, args.calls_per_graph, args.replays, group)
+            medians, per_round = measure_rounds(columns, args.calls_per_graph, args.replays, group)
             torch.cuda.synchronize()
             ref = outs["default"].float()
             err = {n: float((outs[n].float() - ref).abs().max()) for n in variants}
-            rows.append({"shape": [b, s, h, d, s_kv], "us": medians, "max_abs_diff_to_default": err})
+            rows.append({"shape": [b, s, h, d, s_kv], "us": medians, "rounds_us": per_round,
+                         "max_abs_diff_to_default": err})
             print(f"{b}x{s}x{h}x{d} S_kv={s_kv}: " + ", ".join(
                 f"{n} {t:.1f}" for n, t in sorted(medians.items(), key=lambda x: x[1])) + f"; diffs {err}",
                 flush=True)
