@@ -135,15 +135,13 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     last KV block partial). ``tile_m``: query rows
     per tile (TILE_ROWS: 192 for the d = 64 one-launch local kernel only)."""
 
-    kv_stages = KV_STAGES
-    q_stages = 1
     pinned_exponentials = PINNED_EXPONENTIALS
     tail_barrier = NamedBarrierFwd.TailSplit
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", n_dst: int = 1,
                  walk: str = "all", store: str = "st", relay: bool = False, instrument: bool = False,
                  separate_kv: bool = False, lse: bool = False, masked_q: bool = False, masked_kv: bool = False,
-                 tile_m: int = TILE_M):
+                 tile_m: int = TILE_M, q_stages: int = 1, kv_stages: int = KV_STAGES):
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise ValueError("dtype must be BFloat16 or Float16")
         if head_dim not in (64, 128):
@@ -191,6 +189,17 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             raise ValueError(f"tile_m={tile_m} (three MMA warpgroups) is built for the one-launch local kernel at "
                              "head_dim=64 without instrumentation; use tile_m=128")
         self.tile_m = tile_m
+        # q_stages 2: the next tile's Q loads under this tile's loop, so the producer runs on into its K/V blocks
+        # (a tile boundary's bubble: what pays where tiles have few KV blocks, flash_a2a.config.resolve_config)
+        if q_stages not in (1, 2) or kv_stages not in (2, 3):
+            raise ValueError(f"q_stages must be 1 or 2 and kv_stages 2 or 3, got {q_stages}, {kv_stages}")
+        if (q_stages, kv_stages) != (1, KV_STAGES) and (mode != "local" or walk != "all"):
+            raise ValueError("q_stages=2 / kv_stages=3 are built for the one-launch local kernel: use the defaults")
+        smem = (self.tile_m * (q_stages + 1) + 2 * TILE_N * kv_stages) * head_dim * dtype.width // 8
+        if smem > 228 * 1024:
+            raise ValueError(f"q_stages={q_stages}, kv_stages={kv_stages} need {smem} B of shared memory at "
+                             f"head_dim={head_dim}, over the SM's 228 KiB; use fewer stages")
+        self.q_stages, self.kv_stages = q_stages, kv_stages
         self.num_mma_wg = tile_m // 64
         # the producer warpgroup gives its registers to the MMA warpgroups
         self.num_producer_regs, self.num_mma_regs = REGISTER_SPLIT[self.num_mma_wg]

@@ -32,7 +32,9 @@ def query_tile_rows(mode: str, head_dim: int, instrument: bool = False, tile_ord
 @dataclass(frozen=True)
 class AttentionConfig:
     """What one launch shape runs. ``grid`` CTAs (one per SM) walk ``n_tiles`` tiles of ``tile_m`` query rows
-    (``query_tile_rows``) and ``n_kv`` KV blocks each, over ``world`` destination ranks (1: FA-only).
+    (``query_tile_rows``) and ``n_kv`` KV blocks each, over ``world`` destination ranks (1: FA-only), with
+    ``q_stages`` Q and ``kv_stages`` K/V pipeline stages (``local_stages``; 1 and 2 for the fused and split
+    kernels).
 
     - ``tail_split``: the whole rounds in one launch (walk "rounds"), then the last round's tiles in ``split_k``
       KV chunks each in a second, programmatic dependent launch (walk "tail"); False: one launch (walk "all").
@@ -51,13 +53,17 @@ class AttentionConfig:
     store: str
     relay: bool
     tile_m: int = TILE_M
+    q_stages: int = 1
+    kv_stages: int = 2
 
     def launches(self) -> tuple[dict, ...]:
         """The kernels of one call, in launch order, as FlashAttentionA2AForward keyword arguments beyond
         dtype, head_dim, mode, n_dst and instrument."""
         if not self.tail_split:
-            rows = {} if self.tile_m == TILE_M else {"tile_m": self.tile_m}
-            return ({"walk": "all", "store": self.store, **rows},)
+            shape = {name: value for name, value, default in (("tile_m", self.tile_m, TILE_M),
+                                                              ("q_stages", self.q_stages, 1),
+                                                              ("kv_stages", self.kv_stages, 2)) if value != default}
+            return ({"walk": "all", "store": self.store, **shape},)
         return ({"walk": "rounds", "store": self.store}, {"walk": "tail", "relay": self.relay})
 
 
@@ -158,6 +164,24 @@ def relay_pays(n_tiles: int, grid: int, n_kv: int, world: int, split: bool) -> b
     return world > 1 and split and n_tiles // grid == 1 and n_kv > RELAY_START_KV
 
 
+# The Q double buffer (q_stages=2) of the one-launch local kernel: the next tile's Q loads under this tile's
+# loop and the producer runs on into its K/V blocks, which removes a bubble at each tile boundary. At d = 128
+# (one H200, benchmarks/results/h200/tile_sweep_60774af.json, medians of 8 rounds) it took 8192 x 16 heads to
+# 512 keys (4 KV blocks per tile) from 67.1 to 61.4 µs and 4096 x 16 (32 blocks) from 191.2 to 189.8, but
+# 8192 x 24 (64 blocks) from 1186.8 to 1197.6 and 32760 x 12 (256) from 9678.9 to 9704.9: double-buffered up to
+# Q_DOUBLE_BUFFER_MAX_KV blocks. The 192-row d = 64 tiles (shared memory to spare) take it with a third K/V
+# stage everywhere: fastest or tied at all five d = 64 rows of that run (32760 x 12: 6094.2 -> 6079.8 µs,
+# 8192 x 16 to 512 keys 45.6 -> 43.7).
+Q_DOUBLE_BUFFER_MAX_KV = 32
+
+
+def local_stages(tile_m: int, n_kv: int) -> tuple[int, int]:
+    """(Q stages, K/V stages) of the one-launch local kernel (``Q_DOUBLE_BUFFER_MAX_KV``)."""
+    if tile_m == TILE_M_D64:
+        return 2, 3
+    return (2 if n_kv <= Q_DOUBLE_BUFFER_MAX_KV else 1), 2
+
+
 def _option(name: str, value):
     if not any(value is v or (isinstance(v, str) and value == v) for v in OPTIONS[name]):
         raise ValueError(f"{name} must be one of {OPTIONS[name]}, got {value!r}")
@@ -220,6 +244,7 @@ def resolve_config(mode: str, n_tiles: int, grid: int, n_kv: int, world: int = 1
                              "pass relay=False")
     elif relay == "auto":
         relay = (mode == "piggyback" and store == "st" and fits and relay_pays(n_tiles, grid, n_kv, world, split))
+    q_stages, kv_stages = local_stages(tile_m, n_kv) if mode == "local" and not split else (1, 2)
     return AttentionConfig(mode=mode, world=world if fused else 1, n_tiles=n_tiles, grid=grid, n_kv=n_kv,
                            tail_split=split, split_k=split_k, store=store if fused else "st", relay=bool(relay),
-                           tile_m=tile_m)
+                           tile_m=tile_m, q_stages=q_stages, kv_stages=kv_stages)

@@ -266,7 +266,8 @@ def test_d64_three_warpgroup_tiles_compile(tmp_path, knobs):
     KV mask lives outside the loop."""
     from cute_kernels.compile import hgmma_loop
 
-    c = _compile(tmp_path / "v", **{"head_dim": 64, "mode": "local", "tile_m": 192, **knobs})
+    c = _compile(tmp_path / "v", **{"head_dim": 64, "mode": "local", "tile_m": 192, "q_stages": 2, "kv_stages": 3,
+                                    **knobs})
     assert c.ptx_count(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+32;") == 1
     assert c.ptx_count(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160;") == 1
     assert c.ptx_count(WGMMA) >= 12
@@ -279,6 +280,26 @@ def test_d64_three_warpgroup_tiles_compile(tmp_path, knobs):
     # the ping-pong pairs two warpgroups (256 threads) on the next one's scheduler barrier, a run-time id
     assert any("BAR.ARV" in x and "0x100" in x for x in body) and any("BAR.SYNC" in x and "0x100" in x for x in body)
     _no_spills(c)
+
+
+def test_q_double_buffer_keeps_the_kv_loop(tmp_path):
+    """q_stages=2 (the next tile's Q under this tile's loop): two Q stages, so the Q TMA load takes a stage index,
+    and the KV loop's schedule stays the default's (52 of 66 exponentials ahead of the PV wait); no spills."""
+    c = _compile(tmp_path / "v", head_dim=128, mode="local", q_stages=2, separate_kv=True)
+    assert c.ptx_count(WGMMA) >= 16
+    assert _window(_sass(c)) == [(52, 66)]
+    _no_spills(c)
+
+
+@pytest.mark.parametrize("knobs, match", [({"q_stages": 3}, "q_stages must be"),
+                                          ({"q_stages": 2, "mode": "piggyback", "n_dst": 2}, "one-launch local"),
+                                          ({"q_stages": 2, "walk": "rounds"}, "one-launch local"),
+                                          ({"kv_stages": 3}, "shared memory")])
+def test_stage_counts_only_where_built(knobs, match):
+    from flash_a2a.attention import FlashAttentionA2AForward
+
+    with pytest.raises(ValueError, match=match):
+        FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", **knobs})
 
 
 def test_d64_three_warpgroups_only_where_built():

@@ -103,3 +103,25 @@ def test_config_is_frozen():
     c = resolve_config("local", 192, 132, 64)
     with pytest.raises(AttributeError):
         c.tail_split = False  # one decision per shape: nothing downstream changes it
+
+
+def test_stages_and_tile_rows_of_the_local_kernel():
+    """The one-launch local kernel double-buffers Q where tiles have few KV blocks (Q_DOUBLE_BUFFER_MAX_KV) and
+    always on the 192-row d = 64 tiles (with a third K/V stage); the fused and split kernels keep one Q stage,
+    two K/V stages; AttentionConfig.launches passes only what differs from the kernel's defaults."""
+    from flash_a2a.config import Q_DOUBLE_BUFFER_MAX_KV, local_stages
+
+    assert local_stages(128, 4) == (2, 2) and local_stages(128, Q_DOUBLE_BUFFER_MAX_KV) == (2, 2)
+    assert local_stages(128, Q_DOUBLE_BUFFER_MAX_KV + 1) == (1, 2)
+    assert local_stages(192, 1000) == (2, 3)
+    short = resolve_config("local", 1024, 132, 4, head_dim=128)
+    assert (short.q_stages, short.kv_stages) == (2, 2) and short.launches() == ({"walk": "all", "store": "st",
+                                                                                 "q_stages": 2},)
+    d64 = resolve_config("local", 352, 132, 32, head_dim=64, tile_m=192)
+    assert d64.launches() == ({"walk": "all", "store": "st", "tile_m": 192, "q_stages": 2, "kv_stages": 3},)
+    long = resolve_config("local", 512, 132, 64, head_dim=128, tail_split=False)
+    assert long.launches() == ({"walk": "all", "store": "st"},)
+    fused = resolve_config("piggyback", 1024, 132, 4, 2, head_dim=128)
+    assert (fused.q_stages, fused.kv_stages, fused.tile_m) == (1, 2, 128)
+    split = resolve_config("local", 1100, 132, 40, head_dim=128, tail_split=True)
+    assert split.tail_split and (split.q_stages, split.kv_stages) == (1, 2)
