@@ -13,15 +13,13 @@ import os
 import sys
 
 # name -> (class attributes, constructor keywords) beside the API's default (flash_attention)
-D64 = {"t192_q2": ({}, {"tile_m": 192, "q_stages": 2}),
-       "t192_q2_p24": ({"pinned_exponentials": 24}, {"tile_m": 192, "q_stages": 2}),
-       "t192_q2_p32": ({"pinned_exponentials": 32}, {"tile_m": 192, "q_stages": 2}),
-       "t192_q2_p48": ({"pinned_exponentials": 48}, {"tile_m": 192, "q_stages": 2}),
-       "t192_q2_s3": ({}, {"tile_m": 192, "q_stages": 2, "kv_stages": 3}),
-       "t192_p24": ({"pinned_exponentials": 24}, {"tile_m": 192})}
+_D64 = {"tile_m": 192, "q_stages": 2, "kv_stages": 3}  # the API's d = 64 kernel
+D64 = {"after_pv": ({"rescale_after_pv": True}, _D64),
+       "after_pv_p64": ({"rescale_after_pv": True, "pinned_exponentials": 64}, _D64),
+       "p56": ({"pinned_exponentials": 56}, _D64), "p32": ({"pinned_exponentials": 32}, _D64),
+       "p24": ({"pinned_exponentials": 24}, _D64)}
 D128 = {"q1": ({}, {"q_stages": 1}), "q2": ({}, {"q_stages": 2})}  # a third K/V stage: over the shared memory
-SHAPES = ((1, 8192, 12, 64, 8192), (1, 32760, 12, 64, 32760), (1, 4096, 16, 64, 4096), (1, 8192, 16, 128, 512),
-          (1, 8192, 16, 64, 512), (1, 4096, 16, 128, 4096), (1, 32760, 12, 128, 32760), (1, 8192, 24, 128, 8192))
+SHAPES = ((1, 32760, 12, 64, 32760), (1, 65536, 12, 64, 65536), (1, 8192, 12, 64, 8192), (1, 4096, 16, 64, 4096))
 
 
 def run(args) -> dict:

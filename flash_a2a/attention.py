@@ -136,6 +136,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     per tile (TILE_ROWS: 192 for the d = 64 one-launch local kernel only)."""
 
     pinned_exponentials = PINNED_EXPONENTIALS
+    rescale_after_pv = False  # experiment (issue 29, d = 64): O rescaled after the PV wait, as FA4 does
     tail_barrier = NamedBarrierFwd.TailSplit
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", n_dst: int = 1,
@@ -496,7 +497,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (self.tile_m, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
                                           wg_wait=-1)
         # O times the previous block's factor while this block's QKᵀ runs, before the PV GEMM is issued
-        softmax.rescale(acc_o, pending_scale, True)
+        if const_expr(not self.rescale_after_pv):
+            softmax.rescale(acc_o, pending_scale, True)
         pipe_v.consumer_wait(kv_v)
         sm90_utils.gemm_w_idx(tiled_mma_pv, acc_o, tOrP, tOrVt, zero_init=False, B_idx=kv_v.index, wg_wait=-1)
         cute.arch.barrier_arrive(barrier_id=NamedBarrierFwd.WarpSchedulerWG1 + other,
@@ -521,7 +523,10 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             pipe_k.consumer_release(kv_state)
         warpgroup.wait_group(0)  # PV done: O and P may change
         pipe_v.consumer_release(kv_v)
-        pending_scale.store(row_scale.load())
+        if const_expr(self.rescale_after_pv):  # FA4's SM90 order at d <= 128: O times this block's factor now
+            softmax.rescale(acc_o, row_scale, True)
+        else:
+            pending_scale.store(row_scale.load())
         tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s).load().to(self.dtype))
         return kv_state
 
@@ -577,7 +582,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             for _ in cutlass.range(n_kv - 1, unroll=1):
                 kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
                                                  tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg)
-        softmax.rescale(acc_o, pending_scale, True)
+        if const_expr(not self.rescale_after_pv):
+            softmax.rescale(acc_o, pending_scale, True)
         # Q is no longer read: let the producer load the next tile's Q under the last PV and the epilogue.
         pipe_q.consumer_release(q_state)
         # last block's PV
