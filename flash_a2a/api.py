@@ -26,7 +26,7 @@ from flash_a2a.a2a import SymmetricOutput
 from flash_a2a.attention import MODES, FlashAttentionA2AForward
 from flash_a2a.tiling import PARTIAL_FLOATS, TILE_M, TILE_N, WG_THREADS
 from flash_a2a.config import AttentionConfig, query_tile_rows, resolve_config
-from flash_a2a.mapping import check_ulysses_shapes, relay_share
+from flash_a2a.mapping import check_ulysses_shapes, relay_share, ulysses_tiles
 from flash_a2a.spans import SPAN_FIELDS, dump_rows
 
 _KERNELS: dict = {}
@@ -69,8 +69,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world: int = 1)
 
 def check_shapes(q_shape: tuple, k_shape: tuple, v_shape: tuple, world: int = 1) -> None:
     """ValueError naming the fix unless q (b, S, H, d) and k, v (b, S_kv, H_kv, d) are shapes the kernel takes:
-    H a multiple of H_kv, d 64 or 128, S and S_kv >= 1 (any length on one rank's walk; the fused tile orders,
-    ``world`` > 1, need S a multiple of world x 128 rows)."""
+    H a multiple of H_kv, d 64 or 128, S and S_kv >= 1 (any length; the fused tile orders, ``world`` > 1, need
+    S divisible by the world size, as Ulysses does)."""
     b, s, h, d = q_shape
     if k_shape != v_shape or k_shape[0] != b or k_shape[3] != d:
         raise ValueError(f"k and v must share one shape (b, S_kv, H_kv, d) with q's batch and head_dim, got q "
@@ -82,10 +82,9 @@ def check_shapes(q_shape: tuple, k_shape: tuple, v_shape: tuple, world: int = 1)
         raise ValueError(f"head_dim must be 64 or 128, got {d}")
     if s < 1 or s_kv < 1:
         raise ValueError(f"sequence lengths must be positive, got S={s}, S_kv={s_kv}")
-    if world > 1 and s % (world * TILE_M):
-        raise ValueError(f"sequence length {s}: the fused kernel's tile order for {world} ranks needs a multiple of "
-                         f"{world * TILE_M} ({world} ranks x {TILE_M}-row tiles) for now; flash_attention alone "
-                         "takes any length")
+    if world > 1 and s % world:
+        raise ValueError(f"sequence length {s} is not divisible by the world size {world}: Ulysses splits the "
+                         f"sequence evenly over the ranks; use a length divisible by {world}")
 
 
 def check_spans(spans, n_tiles: int, device, grid: int = 0) -> None:
@@ -166,13 +165,15 @@ def _split_buffers(device, config: AttentionConfig) -> SplitTailBuffers:
 
 def _kernels_of(config: AttentionConfig, dtype, head_dim: int, mode: str, n_dst: int, instrument: bool,
                 split: SplitTailBuffers | None, dst_ptrs, relay_ptrs=None, separate_kv: bool = False,
-                lse: bool = False, masked_q: bool = False, masked_kv: bool = False) -> list[tuple]:
+                lse: bool = False, masked_q: bool = False, masked_kv: bool = False,
+                ranked: bool = False) -> list[tuple]:
     """The config's kernels in launch order, each with its arguments beyond the shared ones: (compiled kernel,
     destinations, (split workspace, counters, k), relay shadows). With a split the whole rounds go first (to
     ``dst_ptrs``, or with the relay to the local shadows), then the chunks; ``relay_ptrs`` =
     (the real destinations, the rounds kernel's table, the shadows to send on). ``separate_kv``: k/v of
     another shape than q (cross-attention, GQA); ``lse``: the kernel writes the log-sum-exp too; ``masked_q`` /
-    ``masked_kv``: S / S_kv not a multiple of the tile's rows / the KV block."""
+    ``masked_kv``: S / S_kv not a multiple of the tile's rows / the KV block; ``ranked``: the tile order's rank
+    slices not multiples of the tile (``ulysses_tiles``)."""
     kernels = []
     for launch in config.launches():
         ptrs, work, shadows = dst_ptrs, (None, None, 1), None
@@ -182,7 +183,8 @@ def _kernels_of(config: AttentionConfig, dtype, head_dim: int, mode: str, n_dst:
             work = (split.workspace, split.counters, split.k)
             if config.relay:
                 ptrs, shadows = relay_ptrs[0], relay_ptrs[2]
-        flags = {"separate_kv": separate_kv, "lse": lse, "masked_q": masked_q, "masked_kv": masked_kv}
+        flags = {"separate_kv": separate_kv, "lse": lse, "masked_q": masked_q, "masked_kv": masked_kv,
+                 "ranked": ranked}
         variant = {**launch, **{name: True for name, on in flags.items() if on}}
         kernels.append((_kernel(dtype, head_dim, mode, n_dst, instrument, **variant), ptrs, work, shadows))
     return kernels
@@ -213,9 +215,14 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, tail_spli
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError("out must be a contiguous tensor of q's shape and dtype")
+    if return_lse and tile_order_world > 1 and (s // tile_order_world) % TILE_M:
+        raise ValueError("return_lse=True with tile_order_world > 1 needs S/P a multiple of 128; pass "
+                         "tile_order_world=1 (the same values)")
     tile_m = query_tile_rows("local", d, spans is not None, tile_order_world)
-    n_tiles = -(-s // tile_m) * h * b
-    masked_q, masked_kv = bool(s % tile_m), bool(k.shape[1] % TILE_N)  # a partial last Q tile, KV block
+    n_tiles = ulysses_tiles(s, tile_order_world, tile_m) * h * b
+    masked_q = bool((s // tile_order_world) % tile_m)  # a partial last Q tile (of S, or of each rank's S/P)
+    ranked = masked_q and tile_order_world > 1  # rows counted from each rank's slice
+    masked_kv = bool(k.shape[1] % TILE_N)  # a partial last KV block
     check_spans(spans, n_tiles, q.device)
     grid = _grid(n_tiles, q.device)
     config = resolve_config("local", n_tiles, grid, -(-k.shape[1] // TILE_N), 1, head_dim=d,
@@ -228,7 +235,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, tail_spli
     tail = (_scale(softmax_scale, d), tile_order_rank, tile_order_world, grid, DEFAULT_TIMEOUT_NS)
     for fn, ptrs, work, shadows in _kernels_of(config, q.dtype, d, "local", 1, spans is not None, split,
                                                la.dst_ptrs, separate_kv=k.shape != q.shape, lse=lse is not None,
-                                               masked_q=masked_q, masked_kv=masked_kv):
+                                               masked_q=masked_q, masked_kv=masked_kv, ranked=ranked):
         fn(q, k, v, out, ptrs, *head, *tail, *work, shadows, lse)
     return (out, lse) if return_lse else out
 
@@ -257,11 +264,12 @@ class FusedAttentionA2A:
         key/value length (q's by default)."""
         k_len = q.shape[1] if k_len is None else k_len
         b, s, h_loc, d = q.shape
-        n_tiles = (s // TILE_M) * h_loc * b
+        n_tiles = ulysses_tiles(s, self.world, TILE_M) * h_loc * b
         vectors = relay_share(0, 1, self.world, b, s // self.world, h_loc, d * q.element_size() // 16)[2]
-        return resolve_config(mode, n_tiles, _grid(n_tiles, q.device), k_len // TILE_N, self.world, head_dim=d,
-                              instrument=spans is not None, relay_vectors=vectors, tail_split=tail_split,
-                              store=store, relay=relay)
+        masked = bool((s // self.world) % TILE_M or k_len % TILE_N)
+        return resolve_config(mode, n_tiles, _grid(n_tiles, q.device), -(-k_len // TILE_N), self.world,
+                              head_dim=d, instrument=spans is not None, masked=masked, relay_vectors=vectors,
+                              tail_split=tail_split, store=store, relay=relay)
 
     def launch(self, q, k, v, softmax_scale=None, mode: str = "piggyback", wait: bool = True, spans=None,
                self_store: bool = False, tail_split="auto", store="auto", relay="auto"):
@@ -276,9 +284,12 @@ class FusedAttentionA2A:
         if mode not in MODES[1:]:
             raise ValueError(f"mode must be 'piggyback' or 'completion_coupled', got {mode!r}")
         check_qkv(q, k, v, self.world)
-        check_ulysses_shapes(q.shape[1], q.shape[2] * self.world, self.world, TILE_M)
+        check_ulysses_shapes(q.shape[1], q.shape[2] * self.world, self.world)
         b, s, h_loc, d = q.shape
-        n_tiles = (s // TILE_M) * h_loc * b
+        n_tiles = ulysses_tiles(s, self.world, TILE_M) * h_loc * b
+        # a partial last tile per rank slice (its rows counted from the slice: ranked), a partial KV block
+        masked_q, masked_kv = bool((s // self.world) % TILE_M), bool(k.shape[1] % TILE_N)
+        ranked = masked_q
         grid = _grid(n_tiles, q.device)
         check_spans(spans, n_tiles, q.device, grid)
         config = self.config(q, mode, spans, tail_split, store, relay, k.shape[1])
@@ -298,7 +309,7 @@ class FusedAttentionA2A:
         tail = (_scale(softmax_scale, d), self.rank, self.world, grid, self.timeout_ns)
         compiled = len(_KERNELS)
         kernels = _kernels_of(config, q.dtype, d, mode, self.world, spans is not None, split, dst_ptrs, relay_ptrs,
-                              separate_kv=k.shape != q.shape)
+                              separate_kv=k.shape != q.shape, masked_q=masked_q, masked_kv=masked_kv, ranked=ranked)
         meet_after_compile(compiled, len(_KERNELS), self.group)  # a rank that compiled: start together
         for fn, ptrs, work, shadows in kernels:
             fn(q, k, v, q, ptrs, *head, *tail, *work, shadows, None)

@@ -103,6 +103,7 @@ class WalkShape:
     grid: Int32
     kv_group: Int32 | int = 1  # query heads per K/V head (GQA); 1 unless the kernel takes separate K/V
     kv_len: Int32 | None = None  # S_kv, with separate K/V
+    rows_per_rank: Int32 | None = None  # S/P (read by the ranked kernels only)
 
     @staticmethod
     def create(mQ: cute.Tensor, rank, world, bidx, grid, mK: cute.Tensor | None = None,
@@ -122,7 +123,8 @@ class WalkShape:
             kv_len = Int32(cute.size(mK, mode=[0]))
             n_kv = (kv_len + (TILE_N - 1 if masked_kv else 0)) // TILE_N
             kv_group = h_loc // Int32(cute.size(mK, mode=[2]))
-        return WalkShape(seq, h_loc, n_kv, n_mb_per_rank, n_tiles, rank, world, bidx, grid, kv_group, kv_len)
+        return WalkShape(seq, h_loc, n_kv, n_mb_per_rank, n_tiles, rank, world, bidx, grid, kv_group, kv_len,
+                         rows_per_rank)
 
 
 class FlashAttentionA2AForward(TailLaunchMixin):
@@ -132,17 +134,18 @@ class FlashAttentionA2AForward(TailLaunchMixin):
     per-tile span records (compiled out otherwise). ``separate_kv``: K/V of their own length and heads
     (cross-attention, GQA). ``lse``: also write each row's softmax log-sum-exp (float32 (b, H, S)). ``masked_q``
     / ``masked_kv``: S not a multiple of the tile's rows (the last Q tile partial) / S_kv not one of 128 (the
-    last KV block partial). ``tile_m``: query rows
+    last KV block partial). ``ranked``: the tile order's rank slices of S/P rows are not multiples of the tile
+    (the fused kernel, or FA-only in its order, at S/P not a multiple of 128): a tile's rows are counted from
+    its destination rank's slice, and its rows past the slice are not stored. ``tile_m``: query rows
     per tile (TILE_ROWS: 192 for the d = 64 one-launch local kernel only)."""
 
     pinned_exponentials = PINNED_EXPONENTIALS
-    rescale_after_pv = False  # experiment (issue 29, d = 64): O rescaled after the PV wait, as FA4 does
     tail_barrier = NamedBarrierFwd.TailSplit
 
     def __init__(self, dtype=cutlass.BFloat16, head_dim: int = 128, mode: str = "local", n_dst: int = 1,
                  walk: str = "all", store: str = "st", relay: bool = False, instrument: bool = False,
                  separate_kv: bool = False, lse: bool = False, masked_q: bool = False, masked_kv: bool = False,
-                 tile_m: int = TILE_M, q_stages: int = 1, kv_stages: int = KV_STAGES):
+                 tile_m: int = TILE_M, q_stages: int = 1, kv_stages: int = KV_STAGES, ranked: bool = False):
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise ValueError("dtype must be BFloat16 or Float16")
         if head_dim not in (64, 128):
@@ -174,11 +177,16 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         self.separate_kv, self.lse = bool(separate_kv), bool(lse)
         # masked_q / masked_kv: any sequence length; the last Q tile's rows past S are not stored, the last KV
         # block's columns past S_kv are masked out of the softmax (no padding of the user's tensors: TMA
-        # zero-fills the loads). The one-launch local kernel only, for now.
-        if (masked_q or masked_kv) and (mode != "local" or walk != "all"):
-            raise ValueError("masked_q/masked_kv (a length that is not a multiple of the tiles) are built for the "
-                             "one-launch local kernel: use mode='local' and walk='all'")
-        self.masked_q, self.masked_kv = bool(masked_q), bool(masked_kv)
+        # zero-fills the loads). One launch (walk "all") with the burst store: no split, paced store or relay.
+        if (masked_q or masked_kv) and (walk != "all" or store != "st" or relay):
+            raise ValueError("masked_q/masked_kv (a length that is not a multiple of the tiles) are built for one "
+                             "launch (walk='all') with the burst store (store='st')")
+        if ranked and (not masked_q or lse):
+            raise ValueError("ranked=True (rank slices that are not multiples of the tile) needs masked_q=True and "
+                             "no lse")
+        if mode != "local" and masked_q and not ranked:
+            raise ValueError("a fused kernel's partial tiles end rank slices: masked_q needs ranked=True there")
+        self.masked_q, self.masked_kv, self.ranked = bool(masked_q), bool(masked_kv), bool(ranked)
         self.split = walk == "tail"  # the last round's tiles in KV chunks
         fused = mode != "local"
         self.flags_on = fused  # epoch advance and data flags
@@ -419,12 +427,17 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             kv0, kv1 = None, None
             if const_expr(self.split):
                 t, kv0, kv1, _, _ = sched.work(u)
-            m_block, h, bb, _ = order.coords(t)
+            m_block, h, bb, dest = order.coords(t)
+            mQ_hb = mQ[None, None, h, bb]
+            q_block = m_block
+            if const_expr(self.ranked):  # the tile's rows start in its destination rank's slice
+                mQ_hb = cute.domain_offset((self.tile_rows(shape, m_block, dest)[0], 0), mQ_hb)
+                q_block = 0
             if const_expr(self.q_stages == 1):
-                gQ = cute.local_tile(mQ[None, None, h, bb], (self.tile_m, d), (m_block, 0))
+                gQ = cute.local_tile(mQ_hb, (self.tile_m, d), (q_block, 0))
                 load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ, single_stage=True)
             else:
-                gQ = cute.local_tile(mQ[None, None, h, bb], (self.tile_m, d), (None, 0))
+                gQ = cute.local_tile(mQ_hb, (self.tile_m, d), (None, 0))
                 load_q, _, _ = copy_utils.tma_get_copy_fn(tma_q, 0, cute.make_layout(1), gQ, sQ)
             h_kv = h
             if const_expr(self.separate_kv):
@@ -437,7 +450,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             if const_expr(self.q_stages == 1):
                 load_q(tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             else:
-                load_q(src_idx=m_block, dst_idx=q_state.index, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                load_q(src_idx=q_block, dst_idx=q_state.index, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
             if const_expr(self.split):
                 for n in cutlass.range(kv0, kv1, unroll=1):
@@ -459,6 +472,15 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         pipe_v.producer_tail(kv_state)
 
     # ---------------------------------------------------------------- MMA warpgroups: the Q-loop
+    def tile_rows(self, shape: WalkShape, m_block, dest):
+        """(first q row of tile ``m_block`` in this rank's (b, S, H/P, d) input, rows of its destination slice from
+        there on): ranked, counted from rank ``dest``'s slice of S/P rows; else from row 0 of S."""
+        if const_expr(self.ranked):
+            in_rank = m_block - dest * shape.n_mb_per_rank
+            return (dest * shape.rows_per_rank + in_rank * self.tile_m,
+                    shape.rows_per_rank - in_rank * self.tile_m)
+        return m_block * self.tile_m, shape.seq - m_block * self.tile_m
+
     def next_wg(self, wg):
         """The MMA warpgroup whose GEMMs issue after ``wg``'s (the ping-pong's round robin)."""
         if const_expr(self.num_mma_wg == 2):
@@ -497,8 +519,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         acc_s = sm90_utils.gemm_zero_init(tiled_mma_qk, (self.tile_m, TILE_N), tSrQ, tSrK, B_idx=kv_state.index,
                                           wg_wait=-1)
         # O times the previous block's factor while this block's QKᵀ runs, before the PV GEMM is issued
-        if const_expr(not self.rescale_after_pv):
-            softmax.rescale(acc_o, pending_scale, True)
+        softmax.rescale(acc_o, pending_scale, True)
         pipe_v.consumer_wait(kv_v)
         sm90_utils.gemm_w_idx(tiled_mma_pv, acc_o, tOrP, tOrVt, zero_init=False, B_idx=kv_v.index, wg_wait=-1)
         cute.arch.barrier_arrive(barrier_id=NamedBarrierFwd.WarpSchedulerWG1 + other,
@@ -523,10 +544,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             pipe_k.consumer_release(kv_state)
         warpgroup.wait_group(0)  # PV done: O and P may change
         pipe_v.consumer_release(kv_v)
-        if const_expr(self.rescale_after_pv):  # FA4's SM90 order at d <= 128: O times this block's factor now
-            softmax.rescale(acc_o, row_scale, True)
-        else:
-            pending_scale.store(row_scale.load())
+        pending_scale.store(row_scale.load())
         tOrP.store(layout_utils.reshape_acc_to_frgA(acc_s).load().to(self.dtype))
         return kv_state
 
@@ -582,8 +600,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             for _ in cutlass.range(n_kv - 1, unroll=1):
                 kv_state = self.overlapped_block(softmax, acc_o, tOrP, tSrQ, tSrK, tOrVt, pending_scale,
                                                  tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, kv_state, wg)
-        if const_expr(not self.rescale_after_pv):
-            softmax.rescale(acc_o, pending_scale, True)
+        softmax.rescale(acc_o, pending_scale, True)
         # Q is no longer read: let the producer load the next tile's Q under the last PV and the epilogue.
         pipe_q.consumer_release(q_state)
         # last block's PV
@@ -773,15 +790,16 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
         if const_expr(self.store == "st"):
             tile_store.load_staged()
+        q_row0, rows_left = self.tile_rows(shape, m_block, dest)
         if const_expr(self.mode == "local"):
-            row0 = m_block * self.tile_m + wg * 64
+            row0 = q_row0 + wg * 64
             base = mO.iterator + cute.assume(((Int64(bb) * shape.seq + row0) * h_loc + h) * d, divby=self.vec)
             row_stride = cute.assume(h_loc * d, divby=d)
         else:
             # Destination row from block counts, not from S/P: holding S/P live across the mainloop (a division
             # ptxas keeps in a register) changed its schedule (61 of 66 exponentials ahead of the PV wait instead
             # of local's 51; tests/test_flash_attention.py checks they now agree).
-            rows_per_rank = n_mb_per_rank * self.tile_m
+            rows_per_rank = shape.rows_per_rank if const_expr(self.ranked) else n_mb_per_rank * self.tile_m
             drow = (m_block - dest * n_mb_per_rank) * self.tile_m + wg * 64
             peer = cute.make_ptr(self.dtype, dst_ptrs[dest], cute.AddressSpace.gmem, assumed_align=16)
             base = peer + cute.assume(((Int64(bb) * rows_per_rank + drow) * heads + rank * h_loc + h) * d,
@@ -789,8 +807,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
             row_stride = cute.assume(heads * d, divby=d)
         gt0, ck0 = timers.now()
         if const_expr(self.store == "st"):
-            if const_expr(self.masked_q):  # the last tile's rows past S stay unwritten
-                tile_store.burst_rows(base, row_stride, shape.seq - m_block * self.tile_m - wg * 64)
+            if const_expr(self.masked_q):  # the last tile's rows past S (or past its rank slice) stay unwritten
+                tile_store.burst_rows(base, row_stride, rows_left - wg * 64)
             else:
                 tile_store.burst(base, row_stride)
             if const_expr(self.mode == "completion_coupled"):

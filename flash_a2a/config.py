@@ -203,7 +203,8 @@ def resolve_config(mode: str, n_tiles: int, grid: int, n_kv: int, world: int = 1
       not all local); both fall back to one launch with nothing to split. The split kernel is built for
       head_dim 128 without instrumentation, the log-sum-exp (``lse``) or partial tiles (``masked``): "auto"
       does not split there, True is refused.
-    - store "auto": "paced" for piggyback where ``paced_store_pays``, else "st"; "paced" needs piggyback.
+    - store "auto": "paced" for piggyback where ``paced_store_pays``, else "st"; "paced" needs piggyback and
+      whole tiles (not ``masked``: the paced epilogue sends whole 64-row halves).
     - relay "auto": where ``relay_pays`` (piggyback, burst store, a one-round rounds kernel); True needs
       piggyback, world >= 2 and a split."""
     _option("tail_split", tail_split)
@@ -231,8 +232,12 @@ def resolve_config(mode: str, n_tiles: int, grid: int, n_kv: int, world: int = 1
     if store == "paced" and mode != "piggyback":
         raise ValueError(f"store='paced' spreads a tile's peer stores over the next tile's Q-loop: it needs "
                          f"mode='piggyback', got {mode!r}; pass store='st' or 'auto'")
+    if store == "paced" and masked:
+        raise ValueError("store='paced' sends whole tiles; with a length that is not a multiple of 128 (a partial "
+                         "tile) pass store='st' or 'auto'")
     if store == "auto":
-        store = "paced" if mode == "piggyback" and paced_store_pays(n_tiles, grid, n_kv, split) else "st"
+        store = ("paced" if mode == "piggyback" and not masked and paced_store_pays(n_tiles, grid, n_kv, split)
+                 else "st")
     fits = relay_vectors + RELAY_THREADS < 2 ** 31
     if relay is True:
         if mode != "piggyback" or world < 2 or not split:

@@ -2,8 +2,9 @@
 
 Rank r holds attention output for all S rows of its H/P local heads, (b, S, H/P, d). After the All-to-All
 rank j holds rows [j*S/P, (j+1)*S/P) of all H heads, (b, S/P, H, d): row s of local head h on rank r goes
-to rank j = s // (S/P), row s - j*S/P, head r*H/P + h. With S/P a multiple of the row tile, every output
-tile has exactly one destination rank. The attention kernel's walk over those tiles (the Ulysses tile order)
+to rank j = s // (S/P), row s - j*S/P, head r*H/P + h. Tiles are cut from each rank's slice of S/P rows
+(``ulysses_tiles``), so every output tile has exactly one destination rank (the last of a slice partial where
+S/P is not a multiple of the tile). The attention kernel's walk over those tiles (the Ulysses tile order)
 is cute_kernels.tile_scheduler's; the per-shape choices (split tail, paced store, relay) are flash_a2a.config's.
 """
 from __future__ import annotations
@@ -27,9 +28,16 @@ def check_ulysses_shapes(seq_len: int, heads: int, world: int, tile_m: int = 1) 
         raise ValueError(f"sequence length {seq_len} is not divisible by the world size {world}: Ulysses splits the "
                          f"sequence evenly over the ranks; use a length divisible by {world}")
     if (seq_len // world) % tile_m:
-        raise ValueError(f"S/P = {seq_len // world} rows per rank must be a multiple of the {tile_m}-row tile for "
-                         f"the fused kernel for now (a multiple of {world * tile_m} tokens); flash_attention alone "
-                         "takes any length (padding keys would give them softmax mass)")
+        raise ValueError(f"S/P = {seq_len // world} rows per rank must be a multiple of the {tile_m}-row tile of "
+                         f"the symmetric-memory scatter (a multiple of {world * tile_m} tokens); the NCCL All-to-All "
+                         "(method='nccl') and the fused attention take any S divisible by the world size")
+
+
+def ulysses_tiles(seq_len: int, world: int, tile_m: int) -> int:
+    """Tiles per (head, batch) of the Ulysses tile order: each rank's slice of S/P rows in ``tile_m``-row tiles,
+    the last one partial where S/P is not a multiple of the tile (the kernels' ``ranked`` walk, whose tile rows
+    are counted from their slice)."""
+    return -(-(seq_len // world) // tile_m) * world
 
 
 def destination(row: int, local_head: int, rank: int, seq_len: int, heads: int, world: int):

@@ -37,7 +37,8 @@ def pre_attention_a2a(x: torch.Tensor, group=None, method: str = "nccl", slot: i
 class UlyssesAttention(torch.nn.Module):
     """Drop-in for yunchang's ``UlyssesAttention``: forward(query, key, value, ...) with q/k/v in
     (b, S/P, H, d) returns (b, S/P, H, d). Pre-attention All-to-All through our symmetric-memory scatter
-    (``pre_a2a="symm"``, the default: 1.9-2.3x faster than NCCL on 2xH200; ``"nccl"``: yunchang's), then our fused
+    (``pre_a2a="symm"``, the default: 1.9-2.3x faster than NCCL on 2xH200, where S/P is a multiple of 128; other
+    lengths and ``"nccl"``: yunchang's), then our fused
     attention + post-attention All-to-All, called through the ``xstage::fused_attention_a2a`` custom op so
     torch.compile sees an opaque op. The result is a fresh tensor (safe to keep)."""
 
@@ -67,6 +68,8 @@ class UlyssesAttention(torch.nn.Module):
             if t.dim() != 4 or t.shape[2] % world:
                 raise ValueError(f"{name} must be (b, S/P, H, d) with H divisible by the group size {world}, "
                                  f"got {tuple(t.shape)}")
-        q, k, v = (pre_attention_a2a(t.contiguous(), self.group, self.pre_a2a, slot)
+        # the symmetric-memory scatter moves 128-row tiles of S/P; other lengths go through NCCL's All-to-All
+        pre = self.pre_a2a if all(t.shape[1] % 128 == 0 for t in (query, key, value)) else "nccl"
+        q, k, v = (pre_attention_a2a(t.contiguous(), self.group, pre, slot)
                    for slot, t in enumerate((query, key, value)))
         return torch.ops.xstage.fused_attention_a2a(q, k, v, self.group.group_name, softmax_scale, self.mode)

@@ -316,15 +316,42 @@ def test_d64_three_warpgroups_only_where_built():
     assert query_tile_rows("local", 64, instrument=True) == query_tile_rows("local", 64, tile_order_world=2) == 128
 
 
-def test_lse_and_masked_need_the_local_one_launch_kernel():
+def test_lse_needs_the_local_one_launch_kernel_and_masks_one_launch():
+    """lse: the one-launch local kernel only. masked_q/masked_kv: one launch with the burst store (fused too);
+    a fused kernel's partial tiles end rank slices (ranked), and ranked needs masked_q and no lse."""
     from flash_a2a.attention import FlashAttentionA2AForward
 
     for bad in ({"mode": "piggyback", "n_dst": 2}, {"walk": "rounds"}, {"walk": "tail"}):
         with pytest.raises(ValueError, match="lse"):
             FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", "lse": True, **bad})
+    for bad in ({"walk": "rounds"}, {"walk": "tail"}, {"mode": "piggyback", "n_dst": 2, "store": "paced"}):
         for mask in ("masked_q", "masked_kv"):
             with pytest.raises(ValueError, match="masked"):
-                FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", mask: True, **bad})
+                FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", mask: True, "ranked": mask == "masked_q",
+                                            **bad})
+    with pytest.raises(ValueError, match="ranked=True"):
+        FlashAttentionA2AForward(head_dim=128, mode="piggyback", n_dst=2, masked_q=True)
+    with pytest.raises(ValueError, match="ranked=True"):
+        FlashAttentionA2AForward(head_dim=128, ranked=True)
+    with pytest.raises(ValueError, match="ranked=True"):
+        FlashAttentionA2AForward(head_dim=128, ranked=True, masked_q=True, lse=True)
+
+
+@pytest.mark.parametrize("knobs", [{"mode": "piggyback", "n_dst": 2, "masked_q": True, "masked_kv": True,
+                                    "ranked": True},
+                                   {"mode": "completion_coupled", "n_dst": 4, "masked_q": True, "ranked": True,
+                                    "head_dim": 64},
+                                   {"masked_q": True, "ranked": True, "q_stages": 2}])
+def test_ranked_kernels_compile(tmp_path, knobs):
+    """ranked (S/P not a multiple of 128: tiles cut from each rank's slice, the fused kernel and FA-only in its
+    order): WGMMA, the Q tile through TMA at its slice's row, 128-bit stores, the KV loop's 66 exponentials, no
+    spills."""
+    c = _compile(tmp_path / "v", **{"head_dim": 128, "mode": "local", **knobs})
+    assert c.ptx_count(WGMMA) >= 2 * (knobs.get("head_dim", 128) // 16)
+    assert c.ptx_count(r"cp\.async\.bulk\.tensor") >= 3 and c.ptx_count(r"st\.global\.v4") >= 1
+    (ahead, total), = _window(_sass(c))
+    assert total == 66 and ahead >= 45, (ahead, total)
+    _no_spills(c)
 
 
 @pytest.mark.parametrize("q_shape,kv_shape,match", [
@@ -341,5 +368,6 @@ def test_cross_and_grouped_shapes_are_checked_before_launch(q_shape, kv_shape, m
     for q_s, kv_s in (((1, 256, 4, 128), (1, 512, 2, 128)), ((1, 1, 4, 128), (1, 1, 4, 128)),
                       ((1, 32760, 12, 64), (1, 77, 12, 64))):  # cross with GQA; any length on one rank
         check_shapes(q_s, kv_s, kv_s)
-    with pytest.raises(ValueError, match="fused kernel's tile order for 2 ranks"):
-        check_shapes((1, 200, 4, 128), (1, 200, 4, 128), (1, 200, 4, 128), world=2)
+    with pytest.raises(ValueError, match="not divisible by the world size 2"):
+        check_shapes((1, 201, 4, 128), (1, 201, 4, 128), (1, 201, 4, 128), world=2)
+    check_shapes((1, 200, 4, 128), (1, 200, 4, 128), (1, 200, 4, 128), world=2)  # S/P = 100: partial tiles

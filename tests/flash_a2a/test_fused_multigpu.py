@@ -18,6 +18,9 @@ SEED = 2026
 UNSPLIT = [(shape, mode, opts) for shape in ((1, 1024, 2, 128), (2, 2048, 3, 128), (1, 512, 1, 64), (2, 4096, 3, 128))
            for mode, opts in (("piggyback", {"store": "st"}), ("completion_coupled", {}),
                               ("piggyback", {"store": "paced"}), ("piggyback", {}))]
+# S/P not a multiple of 128 (partial tiles end each rank's slice): the burst store, no split
+UNSPLIT += [(shape, mode, {}) for shape in ((1, 2000, 2, 128), (2, 1500, 4, 64)) for mode in ("piggyback",
+                                                                                            "completion_coupled")]
 # the split tail: 192 tiles (last round of 60 in 2 chunks; the default relays), 576 (48 in 2), 416 (20 in 6)
 SPLIT = [(shape, mode, opts) for shape in ((2, 4096, 3, 128), (2, 4096, 9, 128), (1, 4096, 13, 128))
          for mode, opts in (("piggyback", {}), ("completion_coupled", {}), ("piggyback", {"store": "paced"}),
