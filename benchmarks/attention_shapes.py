@@ -5,6 +5,7 @@ faster baseline by adjacent-launch pairs in alternating order, with the same run
 ours). TFLOP/s count only unmasked work: 4 · S · S_kv · H · d per call.
 
     python -m benchmarks.attention_shapes --out J [--shapes 1x4096x16x64 ... | --grid]
+    python -m benchmarks.attention_shapes --plot J --out PNG
 """
 from __future__ import annotations
 
@@ -87,6 +88,34 @@ def run(args) -> dict:
                       "ours as the run's noise); TFLOP/s = 4 S S_kv H d / t"}
 
 
+def plot(result: dict, path: str) -> None:
+    """TFLOP/s of ours, flash-attn-4 and cuDNN per row, and the faster baseline / ours by pairs (a PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [("{}x{}x{}".format(*r["shape"][1:4]) + (f" kv{r['shape'][4]}" if r["shape"][4] != r["shape"][1] else ""))
+              for r in rows]
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(max(10, 0.42 * len(rows)), 7), sharex=True)
+    xs = range(len(rows))
+    for i, (name, color) in enumerate((("ours", "C0"), ("fa4", "C1"), ("cudnn", "C2"))):
+        ax.bar([x + (i - 1) * 0.27 for x in xs], [r["tflops"].get(name, 0) for r in rows], 0.27, label=name,
+               color=color)
+    ax.set_ylabel("TFLOP/s (4 S S_kv H d / t)")
+    ax.legend(ncol=3)
+    ratios = [r["best_over_ours_by_pairs"] for r in rows]
+    bx.bar(list(xs), [x - 1 for x in ratios], 0.6, bottom=1, color=["C0" if x >= 1 else "C3" for x in ratios])
+    bx.axhline(1, color="k", lw=0.8)
+    bx.set_ylabel("faster baseline / ours\n(adjacent pairs)")
+    bx.set_xticks(list(xs))
+    bx.set_xticklabels(labels, rotation=70, fontsize=7)
+    fig.suptitle(f"FA-only on one H200, bf16, commit {result['provenance'].get('git_commit', '?')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention_shapes", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
@@ -97,7 +126,12 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tmp", default="/tmp")
+    p.add_argument("--plot", metavar="JSON", help="draw an earlier run's JSON into --out (a PNG); no GPU")
     args = p.parse_args(argv)
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), args.out)
+        return 0
     if args.grid:
         args.shapes = grid()
     with open(args.out, "w") as f:
