@@ -64,6 +64,12 @@ KV_STAGES = 2
 # Exponentials of the 2 x 32 a thread computes per KV block kept ahead of the PV wait in the SASS (see
 # overlapped_block): 40 measured fastest with RESCALE_THRESHOLD (docs/FINDINGS.md, pin_softmax).
 PINNED_EXPONENTIALS = 40
+# The 192-row d = 64 kernel (three MMA warpgroups, whose GEMMs fill the Tensor Cores under one warpgroup's softmax)
+# wants few: 8 measured fastest where the last KV block is whole (1x65536x12 24248 us against 40's 24744, 8192x12
+# 363.0 against 379.2, 4096x16 134.4 against 139.2), 16 with the masked partial block (32760x12 6088.7 against
+# 6141.1; 8 there 6161.1): benchmarks/results/h200/d64_pins_d50ac05.json, medians of 8 rounds.
+PINNED_EXPONENTIALS_D64 = 8
+PINNED_EXPONENTIALS_D64_MASKED_KV = 16
 # A row keeps its running max unless a block raises it by more than 2^8 (FA4's SM100 trick), so most blocks
 # rescale nothing: 2.5-3.2% faster than following every block on H200 (docs/FINDINGS.md, rescale_threshold).
 RESCALE_THRESHOLD = 8.0
@@ -212,6 +218,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         self.num_mma_wg = tile_m // 64
         # the producer warpgroup gives its registers to the MMA warpgroups
         self.num_producer_regs, self.num_mma_regs = REGISTER_SPLIT[self.num_mma_wg]
+        if tile_m == TILE_M_D64:
+            self.pinned_exponentials = PINNED_EXPONENTIALS_D64_MASKED_KV if masked_kv else PINNED_EXPONENTIALS_D64
         self.done_threads = self.num_mma_wg * WG_THREADS + 32  # NamedBarrierFwd.Done: MMA warpgroups, flag warp
         self.num_threads = WG_THREADS * (self.num_mma_wg + 1)
         self.vec = 128 // dtype.width  # elements per 128-bit store
