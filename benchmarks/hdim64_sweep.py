@@ -1,7 +1,7 @@
 """An experiment (issue 29): our FA-only kernel with other tile rows, K/V and Q stage counts and pinned
 exponential counts, beside the default, flash-attn-4 and cuDNN, one process, CUDA-Graph replay in interleaved
-rounds (a fresh order each round). d = 64 rows sweep the 192-row three-warpgroup kernel; the cross-attention
-row (few KV blocks per tile) the Q double buffer.
+rounds (a fresh order each round). d = 64 rows sweep the 192-row three-warpgroup kernel's pins; d = 128 rows
+the Q double buffer. What each sweep found: docs/FINDINGS.md (FA-only at DiT shapes).
 
     python -m benchmarks.hdim64_sweep --out J [--replays N]
 """
@@ -41,8 +41,9 @@ def run(args) -> dict:
     def kernel(name, attrs, kw, d, flags):
         key = (name, d, tuple(sorted(flags.items())))
         if key not in cache:
-            cls = type(name, (FlashAttentionA2AForward,), attrs)
-            k = cls(cutlass.BFloat16, d, "local", **kw, **flags)
+            k = FlashAttentionA2AForward(cutlass.BFloat16, d, "local", **kw, **flags)
+            for attr, value in attrs.items():  # after the constructor, which sets the d = 64 pin count itself
+                setattr(k, attr, value)
             cache[key] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
         return cache[key]
 
