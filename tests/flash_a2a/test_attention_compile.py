@@ -341,7 +341,9 @@ def test_lse_needs_the_local_one_launch_kernel_and_masks_one_launch():
                                     "ranked": True},
                                    {"mode": "completion_coupled", "n_dst": 4, "masked_q": True, "ranked": True,
                                     "head_dim": 64},
-                                   {"masked_q": True, "ranked": True, "q_stages": 2}])
+                                   {"masked_q": True, "ranked": True, "q_stages": 2},
+                                   {"mode": "piggyback", "n_dst": 2, "masked_q": True, "masked_kv": True,
+                                    "ranked": True, "separate_kv": True}])
 def test_ranked_kernels_compile(tmp_path, knobs):
     """ranked (S/P not a multiple of 128: tiles cut from each rank's slice, the fused kernel and FA-only in its
     order): WGMMA, the Q tile through TMA at its slice's row, 128-bit stores, the KV loop's 66 exponentials, no
