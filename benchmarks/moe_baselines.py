@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 FP8_MAX = 448.0
 SCALE_BLOCK = 128  # the kernel's FP8 recipe: 128x128 weight scales (counted in the roofline's bytes)
+FP4_SCALE_BLOCK = 32  # W4A8: one UE8M0 byte per 32 weights (megamoe.reference.FP4_BLOCK)
 
 
 # --- routing to rows sorted by expert ------------------------------------------------------------------------
@@ -224,7 +225,9 @@ def _dtype_name(dtype) -> str:
         return "bf16"
     if name in ("fp8", "float8_e4m3fn"):
         return "fp8"
-    raise ValueError(f"the roofline knows bf16 and fp8 (e4m3), got {dtype!r}")
+    if name == "w4a8":
+        return "w4a8"
+    raise ValueError(f"the roofline knows bf16, fp8 (e4m3) and w4a8, got {dtype!r}")
 
 
 def moe_flops(shape, rows: int) -> float:
@@ -238,19 +241,20 @@ def roofline_terms(shape, tokens: int, top_k: int, dtype, ceilings: dict, *, row
     ``rows``: routed (token, expert) rows (default tokens * top_k, pass the count without the -1 entries);
     ``experts_touched``: experts that received a row (default all: pass the routing's count). Bytes are what
     any implementation must move: the touched experts' weights once (1 B per element and the 128x128 fp32
-    block scales for fp8, 2 B for bf16) plus x read and y written in bf16; FLOPs at the dense ceiling of the
-    dtype (``ceilings``: bf16_tflops, fp8_tflops, hbm_tb_s, as measure_ceilings returns)."""
+    block scales for fp8, 2 B for bf16, half a byte and a UE8M0 byte per 32 for w4a8) plus x read and y written
+    in bf16; FLOPs at the dense ceiling of the dtype (``ceilings``: bf16_tflops, fp8_tflops, hbm_tb_s, as
+    measure_ceilings returns; w4a8 multiplies in FP8)."""
     kind = _dtype_name(dtype)
     rows = tokens * top_k if rows is None else rows
     touched = shape.num_experts if experts_touched is None else experts_touched
     h, i = shape.hidden, shape.intermediate
-    weight_bytes = touched * 3 * h * i * (1 if kind == "fp8" else 2)
+    weight_bytes = touched * 3 * h * i * {"fp8": 1.0, "bf16": 2.0, "w4a8": 0.5 + 1.0 / FP4_SCALE_BLOCK}[kind]
     if kind == "fp8":
         blocks = (2 * i // SCALE_BLOCK) * (h // SCALE_BLOCK) + (h // SCALE_BLOCK) * (i // SCALE_BLOCK)
         weight_bytes += touched * 4 * blocks
     act_bytes = 2 * tokens * h * 2
     flops = moe_flops(shape, rows)
-    compute_s = flops / (ceilings[f"{kind}_tflops"] * 1e12)
+    compute_s = flops / (ceilings[f"{'fp8' if kind == 'w4a8' else kind}_tflops"] * 1e12)
     memory_s = (weight_bytes + act_bytes) / (ceilings["hbm_tb_s"] * 1e12)
     return {"dtype": kind, "rows": rows, "experts_touched": touched, "flops": flops, "weight_bytes": weight_bytes,
             "activation_bytes": act_bytes, "compute_s": compute_s, "memory_s": memory_s,

@@ -1,6 +1,7 @@
 """The MoE layer in plain torch, on any device: the routings the tests and the benchmark draw, the fp32 (or
-fp64) reference our kernel is checked against, and the FP8 W8A8 recipe (e4m3, 128x128 weight block scales,
-1x128 activation scales) applied the same way.
+fp64) reference our kernel is checked against, the FP8 W8A8 recipe (e4m3, 128x128 weight block scales,
+1x128 activation scales) applied the same way, and the W4A8 weight recipe (E2M1 with UE8M0 scales per 32,
+turned into e4m3 with 128x128 block scales as the kernel will in shared memory: ``w4a8_fp8_weights``).
 
 The layer, for x (T, H), topk_idx (T, k) int, topk_weights (T, k) float, w1 (E, 2I, H), w2 (E, H, I):
   rows [0, I) of w1[e] are the gate projection and rows [I, 2I) the up projection (the usual layout);
@@ -211,3 +212,97 @@ def reference_moe_fp8(x, topk_idx, topk_weights, w1, w2, *, dtype=torch.float32,
     return _moe(xq, topk_idx, topk_weights, e, inter, lambda ex, rows: xq[rows] @ _fp8_weight(w1, ex, dtype,
                 FP8_BLOCK).T, lambda ex, h: h @ _fp8_weight(w2, ex, dtype, FP8_BLOCK).T, dtype, requantize,
                 combine_dtype)
+
+
+# --- W4A8: E2M1 weights with UE8M0 scales per 32 elements (issue 30) -------------------------------------------
+#
+# Hopper has no FP4 MMA, so the kernel turns each 128 x 128 weight block into e4m3 in shared memory before its
+# WGMMA and keeps W8A8's promotion (one fp32 scale per block). The conversion is exact wherever it can be: each
+# group's power-of-two scale is taken relative to the block's largest, e = e32 - e_max <= 0, and
+# value * 2^e is an e4m3 number for e >= -8 (E2M1 values carry one mantissa bit; e4m3's subnormals reach 2^-9);
+# below that it rounds to nearest even, as cvt.rn.satfinite.e4m3x2 does. The block scale is 2^e_max.
+
+FP4_BLOCK = 32  # elements per UE8M0 scale, along K
+FP4_MAX = 6.0  # largest E2M1
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; bit 3 is the sign
+# Round-to-nearest-even onto E2M1_VALUES: a magnitude above a midpoint moves up; at the midpoint it goes to the
+# even code (0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0, 3.5 -> 4.0, 5.0 -> 4.0).
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+UE8M0_BIAS = 127
+FP4_AMAX_FLOOR = FP4_MAX * 2.0 ** -UE8M0_BIAS  # an all-zero run: scale code 0
+
+
+def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes (sign in bit 3) of fp32 ``v`` (|v| <= 6), rounded to nearest even."""
+    mag = v.abs()
+    code = torch.zeros_like(mag, dtype=torch.uint8)
+    for mid, tie_up in _E2M1_MIDPOINTS:
+        code += (mag >= mid if tie_up else mag > mid).to(torch.uint8)
+    return code | ((v < 0) & (code > 0)).to(torch.uint8) << 3
+
+
+def quantize_mxfp4_weights(w: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 (..., N, K/2), UE8M0 uint8 (..., N, K/block)) for w (..., N, K): each 1 x ``block`` run of a
+    row gets the power-of-two scale 2^ceil(log2(amax / 6)) (so no value saturates; FP4_AMAX_FLOOR for an
+    all-zero run: the smallest scale, code 0) and its values w / scale round to nearest even onto E2M1. Two values per byte, the even K index in the
+    low nibble (the OCP MX / torch.float4_e2m1fn_x2 order)."""
+    k = w.shape[-1]
+    runs = w.float().reshape(*w.shape[:-1], _blocks(k, block, "K"), block)
+    amax = runs.abs().amax(dim=-1).clamp_(min=FP4_AMAX_FLOOR)
+    exp = torch.ceil(torch.log2(amax / FP4_MAX))
+    # log2 of an fp32 is exact only at powers of two: step the exponent where the division lands just past 6
+    exp = exp + (amax / torch.exp2(exp) > FP4_MAX).float() - (amax / torch.exp2(exp - 1) <= FP4_MAX).float()
+    exp = exp.clamp_(-UE8M0_BIAS, UE8M0_BIAS)  # UE8M0 codes 0-254 (255 is NaN)
+    codes = _e2m1_codes(runs / torch.exp2(exp)[..., None]).reshape(*w.shape[:-1], k)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (exp + UE8M0_BIAS).to(torch.uint8)
+
+
+def dequantize_mxfp4_weights(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
+    """fp32 values * 2^(scale - 127) of quantize_mxfp4_weights' output (exact in fp32)."""
+    table = torch.tensor(E2M1_VALUES, device=packed.device)
+    lo, hi = packed & 0xF, packed >> 4
+    codes = torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1]).long()
+    vals = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    return vals * torch.exp2(scale.float() - UE8M0_BIAS).repeat_interleave(block, dim=-1)
+
+
+def w4a8_fp8_weights(packed: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
+                     fp4_block: int = FP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's shared-memory conversion of one matrix of W4A8 weights (N, K) into W8A8's form: (e4m3 (N, K), fp32 block
+    scales (N/block, K/block)), each block's scale 2^e_max of its largest UE8M0 exponent and each value times
+    2^(e32 - e_max) rounded to e4m3 (exact for shifts >= -8, see above)."""
+    n, k = packed.shape[-2], 2 * packed.shape[-1]
+    nb, kb = _blocks(n, block, "N"), _blocks(k, block, "K")
+    e32 = scale.float() - UE8M0_BIAS  # (N, K/fp4_block)
+    e_max = e32.reshape(nb, block, kb, block // fp4_block).amax(dim=(1, 3))  # (N/block, K/block)
+    shift = e32 - e_max.repeat_interleave(block, dim=0).repeat_interleave(block // fp4_block, dim=1)
+    unit = dequantize_mxfp4_weights(packed, torch.full_like(scale, UE8M0_BIAS), fp4_block)  # E2M1 values
+    q = (unit * torch.exp2(shift).repeat_interleave(fp4_block, dim=-1)).to(FP8_DTYPE)
+    return q, torch.exp2(e_max)
+
+
+def _w4a8_weight(w, e: int, dtype) -> torch.Tensor:
+    """Expert e's W4A8 weight as the kernel multiplies it, in ``dtype``: w is bf16/fp32 (quantized here) or a
+    (packed, UE8M0) pair."""
+    packed, scale = w if isinstance(w, (tuple, list)) else quantize_mxfp4_weights(w[e])
+    if isinstance(w, (tuple, list)):
+        packed, scale = packed[e], scale[e]
+    return dequantize_fp8_blockwise_weights(*w4a8_fp8_weights(packed, scale)).to(dtype)
+
+
+def reference_moe_w4a8(x, topk_idx, topk_weights, w1, w2, *, dtype=torch.float32, l2_block: int = FP8_BLOCK,
+                       combine_dtype=None) -> torch.Tensor:
+    """The layer under W4A8: weights E2M1 with UE8M0 scales per 32 (w1 and w2 bf16, quantized here expert by
+    expert, or (packed, scale) pairs from quantize_mxfp4_weights), multiplied as ``w4a8_fp8_weights`` turns them
+    into e4m3 blocks; activations as W8A8 (x in 1x128 runs, h in 1 x ``l2_block``)."""
+    wshape = (lambda w: (w[0].shape[0], w[0].shape[1], 2 * w[0].shape[2]) if isinstance(w, (tuple, list))
+              else w.shape)
+    _, e, inter = _check_layer(x, topk_idx, topk_weights, wshape(w1), wshape(w2))
+    xq = dequantize_fp8_rowblocks(*quantize_fp8_rowblocks(x)).to(dtype)
+
+    def requantize(h):
+        return dequantize_fp8_rowblocks(*quantize_fp8_rowblocks(h, l2_block), l2_block).to(dtype)
+
+    return _moe(xq, topk_idx, topk_weights, e, inter, lambda ex, rows: xq[rows] @ _w4a8_weight(w1, ex, dtype).T,
+                lambda ex, h: h @ _w4a8_weight(w2, ex, dtype).T, dtype, requantize, combine_dtype)

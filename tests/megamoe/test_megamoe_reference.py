@@ -219,10 +219,14 @@ def test_roofline_arithmetic():
     assert fp8["bound"] == "compute" and roofline_terms(Layer, 4096, 6, "fp8", CEILINGS)["bound"] == "memory"
     assert roofline_seconds(Layer, 8192, 6, "bf16", CEILINGS) == bf16["seconds"]
     # only the experts that received rows count, and -1 entries are no rows
+    w4 = roofline_terms(Layer, 4096, 6, "w4a8", CEILINGS)  # half a byte per weight and a UE8M0 byte per 32
+    assert w4["weight_bytes"] == 256 * 3 * 4096 * 2048 * (0.5 + 1 / 32) and w4["flops"] == moe_flops(Layer, 4096 * 6)
+    assert w4["compute_s"] == roofline_terms(Layer, 4096, 6, "fp8", CEILINGS)["compute_s"]  # it multiplies in FP8
+    assert w4["memory_s"] < roofline_terms(Layer, 4096, 6, "fp8", CEILINGS)["memory_s"] / 1.8
     few = roofline_terms(Layer, 64, 6, "bf16", CEILINGS, rows=300, experts_touched=10)
     assert few["bound"] == "memory" and few["flops"] == moe_flops(Layer, 300)
     assert math.isclose(few["seconds"], (10 * 3 * 4096 * 2048 * 2 + 2 * 64 * 4096 * 2) / 4.3e12)
-    with pytest.raises(ValueError, match="bf16 and fp8"):
+    with pytest.raises(ValueError, match="bf16, fp8 \(e4m3\) and w4a8"):
         roofline_terms(Layer, 1, 1, torch.float16, CEILINGS)
 
 

@@ -1,0 +1,105 @@
+"""The W4A8 weight recipe in plain torch (megamoe/reference.py): E2M1 codes rounded to nearest even, UE8M0
+scales per 32 (the smallest power of two that keeps every value within 6), the packing order, the kernel's
+conversion into e4m3 blocks (exact for scale shifts >= -8 inside a 128 x 128 block, rounded below), and the
+layer under the recipe. Random inputs use the printed ``seed`` fixture."""
+
+import pytest
+import torch
+
+from megamoe.reference import (E2M1_VALUES, FP4_MAX, FP8_DTYPE, UE8M0_BIAS, _e2m1_codes,
+                               dequantize_fp8_blockwise_weights, dequantize_mxfp4_weights, make_routing,
+                               quantize_mxfp4_weights, reference_moe, reference_moe_fp8, reference_moe_w4a8,
+                               w4a8_fp8_weights)
+
+
+def test_e2m1_rounds_to_nearest_even():
+    v = torch.tensor([0.0, 0.2, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.1, 6.0, -0.75, -5.0, -0.1])
+    want = [0, 0, 0, 1, 2, 2, 4, 4, 6, 6, 7, 7, 8 | 2, 8 | 6, 0]  # -0.1 rounds to +0
+    assert _e2m1_codes(v).tolist() == want
+    table = torch.tensor(E2M1_VALUES)
+    assert torch.equal(_e2m1_codes(table), torch.arange(8, dtype=torch.uint8))
+
+
+def test_packing_order_and_scale_code():
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1], w[0, 2] = 0.5, -6.0, 3.0  # amax 6: scale 2^0
+    packed, scale = quantize_mxfp4_weights(w)
+    assert packed.shape == (1, 16) and packed.dtype == torch.uint8 and scale.tolist() == [[UE8M0_BIAS]]
+    assert int(packed[0, 0]) == 1 | (15 << 4) and int(packed[0, 1]) == 5  # the even index in the low nibble
+    assert torch.equal(dequantize_mxfp4_weights(packed, scale), w)
+    zeros = quantize_mxfp4_weights(torch.zeros(2, 64))  # an all-zero run: scale code 0, zero values
+    assert zeros[1].tolist() == [[0, 0], [0, 0]] and not bool(zeros[0].any())
+    assert torch.equal(dequantize_mxfp4_weights(*zeros), torch.zeros(2, 64))
+
+
+def test_values_on_the_grid_round_trip_exactly(seed):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (64, 256), generator=gen)
+    vals = torch.tensor(E2M1_VALUES)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    vals[:, ::32] = 6.0  # every run's amax is 6: its scale is exactly the exponent drawn below
+    exps = torch.randint(-20, 20, (64, 8), generator=gen).float()
+    w = vals * torch.exp2(exps).repeat_interleave(32, dim=-1)
+    packed, scale = quantize_mxfp4_weights(w)
+    assert torch.equal(scale.float() - UE8M0_BIAS, exps), f"seed={seed}"
+    assert torch.equal(dequantize_mxfp4_weights(packed, scale), w), f"seed={seed}"
+
+
+def test_rounding_error_is_within_half_a_step(seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(32, 512, generator=gen) * torch.logspace(-3, 1, 512)
+    packed, scale = quantize_mxfp4_weights(w)
+    unit = torch.exp2(scale.float() - UE8M0_BIAS)
+    amax = w.reshape(32, 16, 32).abs().amax(-1)
+    ratio = amax / unit
+    assert bool(((ratio > FP4_MAX / 2) & (ratio <= FP4_MAX)).all()), f"seed={seed}: not the smallest scale"
+    err = (dequantize_mxfp4_weights(packed, scale) - w).abs()
+    # the E2M1 grid's widest step is 2 (4 -> 6): an error of at most one scale unit
+    assert bool((err <= unit.repeat_interleave(32, -1)).all()), f"seed={seed}"
+
+
+def test_fp8_blocks_are_exact_for_small_shifts_and_rounded_below(seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(128, 256, generator=gen)
+    w[:, 32:64] *= 2.0 ** -6  # a 32-group 2^6 below the rest: still exact in e4m3
+    w[:64, 64:96] *= 2.0 ** -12  # rows whose group sits 2^12 below their block's largest: rounded
+    packed, scale = quantize_mxfp4_weights(w)
+    q, block = w4a8_fp8_weights(packed, scale)
+    assert q.dtype == FP8_DTYPE and q.shape == (128, 256) and block.shape == (1, 2)
+    e32 = scale.float() - UE8M0_BIAS
+    assert torch.equal(torch.log2(block), e32.reshape(1, 128, 2, 4).amax(dim=(1, 3))), f"seed={seed}"
+    exact = dequantize_mxfp4_weights(packed, scale)
+    got = dequantize_fp8_blockwise_weights(q, block)
+    assert torch.equal(got[:, :64], exact[:, :64]) and torch.equal(got[:, 128:], exact[:, 128:]), f"seed={seed}"
+    assert torch.equal(got[64:, 64:128], exact[64:, 64:128])
+    far = (got[:64, 64:96] - exact[:64, 64:96]).abs()
+    assert float(far.max()) > 0, "a 2^-12 shift underflows e4m3's subnormals: some values must round"
+    # rounded to e4m3's subnormal grid (2^-9 of the block scale): within half its spacing
+    assert bool((far <= block[0, 0] * 2.0 ** -10).all()), f"seed={seed}"
+
+
+def test_layer_under_w4a8(seed):
+    gen = torch.Generator().manual_seed(seed)
+    tokens, hidden, inter, experts = 9, 256, 128, 4
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    w1 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(torch.bfloat16)
+    idx, wts = make_routing(tokens, experts, 2, "balanced", seed)
+    got = reference_moe_w4a8(x, idx, wts, w1, w2, dtype=torch.float64)
+    # the same as W8A8's reference fed the kernel's e4m3 blocks
+    pairs = []
+    for w in (w1, w2):
+        conv = [w4a8_fp8_weights(*quantize_mxfp4_weights(w[e])) for e in range(experts)]
+        pairs.append((torch.stack([c[0] for c in conv]), torch.stack([c[1] for c in conv])))
+    assert torch.equal(reference_moe_fp8(x, idx, wts, *pairs, dtype=torch.float64), got), f"seed={seed}"
+    packed = [quantize_mxfp4_weights(w) for w in (w1, w2)]
+    assert torch.equal(reference_moe_w4a8(x, idx, wts, *packed, dtype=torch.float64), got)  # pre-quantized
+    exact = reference_moe(x, idx, wts, w1, w2, dtype=torch.float64)
+    rel = float((got - exact).abs().max() / exact.abs().max())
+    fp8 = float((reference_moe_fp8(x, idx, wts, w1, w2, dtype=torch.float64) - exact).abs().max()
+                / exact.abs().max())
+    assert fp8 < rel < 0.5, (rel, fp8, seed)  # FP4 weights: coarser than W8A8, still the layer
+
+
+def test_bad_shapes():
+    with pytest.raises(ValueError, match="not a multiple of the FP8 scale block 32"):
+        quantize_mxfp4_weights(torch.zeros(4, 48))
