@@ -53,7 +53,7 @@ from cute_kernels import timers
 from cute_kernels.epoch import FlagProtocol, announce_ready, await_all_ready, publish_done
 from cute_kernels.tile_epilogue import WarpgroupTileStore
 from cute_kernels.tile_scheduler import WALKS, PersistentTileScheduler, UlyssesTileOrder
-from flash_a2a.mapping import RELAY_PACE_KV, RELAY_START_KV, relay_events_in_loop
+from flash_a2a.mapping import RELAY_PACE_KV, RELAY_START_KV, ranked_tile_rows, relay_events_in_loop
 from flash_a2a.softmax import OnlineSoftmax
 from flash_a2a.tail_launch import TailLaunchMixin
 from flash_a2a.tiling import TILE_M, TILE_M_D64, TILE_N, WG_THREADS
@@ -484,9 +484,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         """(first q row of tile ``m_block`` in this rank's (b, S, H/P, d) input, rows of its destination slice from
         there on): ranked, counted from rank ``dest``'s slice of S/P rows; else from row 0 of S."""
         if const_expr(self.ranked):
-            in_rank = m_block - dest * shape.n_mb_per_rank
-            return (dest * shape.rows_per_rank + in_rank * self.tile_m,
-                    shape.rows_per_rank - in_rank * self.tile_m)
+            return ranked_tile_rows(m_block, dest, shape.n_mb_per_rank, shape.rows_per_rank, self.tile_m)
         return m_block * self.tile_m, shape.seq - m_block * self.tile_m
 
     def next_wg(self, wg):

@@ -40,6 +40,15 @@ def ulysses_tiles(seq_len: int, world: int, tile_m: int) -> int:
     return -(-(seq_len // world) // tile_m) * world
 
 
+def ranked_tile_rows(m_block, dest, n_mb_per_rank, rows_per_rank, tile_m):
+    """Tile ``m_block`` of the Ulysses order (``dest``'s slice holds blocks [dest * n_mb_per_rank,
+    (dest + 1) * n_mb_per_rank)) -> (its first row in the sender's (b, S, H/P, d) input, the rows of dest's slice
+    from there on: the tile stores min(tile_m, that) rows, at row first - dest * rows_per_rank of dest's
+    (b, S/P, H, d) output). The kernels' ranked walk; ints or DSL Int32."""
+    in_rank = m_block - dest * n_mb_per_rank
+    return dest * rows_per_rank + in_rank * tile_m, rows_per_rank - in_rank * tile_m
+
+
 def destination(row: int, local_head: int, rank: int, seq_len: int, heads: int, world: int):
     """(dest_rank, dest_row, dest_head) of output row ``row`` of local head ``local_head`` on ``rank``."""
     rows_per_rank = seq_len // world

@@ -10,6 +10,7 @@ import torch
 from cute_kernels.tile_scheduler import tile_coords
 from flash_a2a.config import launch_split
 from flash_a2a.mapping import (RELAY_THREADS, check_ulysses_shapes, destination, post_tile, pre_destination, pre_tile,
+                               ranked_tile_rows, ulysses_tiles,
                                reference_post_a2a, reference_pre_a2a, relay_advance, relay_cursor,
                                relay_events_in_loop, relay_offset, relay_share, relay_slot)
 
@@ -162,3 +163,33 @@ def test_relay_cursor_steps_like_relay_slot():
             assert relay_slot(v, world, rank, b, rows, h_loc, vpr) == ((rank + 1 + i) % world, row, w), v
             i, row, w = relay_advance(i, row, w, run_len, runs, RELAY_THREADS // run_len, RELAY_THREADS % run_len)
             v += RELAY_THREADS
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ranked_tiles_land_like_the_reference_all_to_all(world):
+    """The fused kernels' ranked walk (S/P not a multiple of the tile): every tile of the Ulysses order (the
+    kernels' tile_coords), its rows from ranked_tile_rows, stored min(tile, rows left) rows deep at its
+    destination, on CPU tensors against the slicing reference; every output row written exactly once."""
+
+    rng, gen = _rng(40 + world)
+    for tile in (4, 6):
+        b, h_loc, d = rng.randint(1, 2), rng.randint(1, 3), 2
+        s = world * (rng.randint(1, 4) * tile + rng.randint(1, tile - 1))  # S/P not a multiple of the tile
+        rows = s // world
+        n_mb = ulysses_tiles(s, world, tile) // world
+        n_tiles = n_mb * world * h_loc * b
+        inputs = [torch.randn(b, s, h_loc, d, generator=gen) for _ in range(world)]
+        got = [torch.full((b, rows, h_loc * world, d), float("nan")) for _ in range(world)]
+        writes = [torch.zeros(b, rows, h_loc * world) for _ in range(world)]
+        for rank in range(world):
+            for t in range(n_tiles):
+                m_block, h, bb, dest = tile_coords(t, world, n_mb, h_loc, rank, n_tiles, 7)
+                first, left = ranked_tile_rows(m_block, dest, n_mb, rows, tile)
+                n = min(tile, left)
+                assert 0 < n and first + n <= (dest + 1) * rows
+                drow = first - dest * rows
+                got[dest][bb, drow:drow + n, rank * h_loc + h] = inputs[rank][bb, first:first + n, h]
+                writes[dest][bb, drow:drow + n, rank * h_loc + h] += 1
+        for j, ref in enumerate(reference_post_a2a(inputs)):
+            assert torch.equal(got[j], ref), (world, tile, s)
+            assert bool((writes[j] == 1).all()), (world, tile, s)
