@@ -65,8 +65,11 @@ class SymmetricOutput:
         _compiled("wait")(self.flags, self.epoch, self.errors, world, timeout_ns)
 
 
+SCATTER_TILE_M = 128  # rows of S/P per scatter tile: the symmetric All-to-All takes S/P multiples of it
+
+
 class SymmetricUlyssesA2A:
-    def __init__(self, group=None, tile_m: int = 128, timeout_s: float = 2.0, ctas_per_sm: int = 2):
+    def __init__(self, group=None, tile_m: int = SCATTER_TILE_M, timeout_s: float = 2.0, ctas_per_sm: int = 2):
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.tile_m, self.timeout_ns, self.ctas_per_sm = tile_m, int(timeout_s * 1e9), ctas_per_sm

@@ -87,6 +87,12 @@ def check_shapes(q_shape: tuple, k_shape: tuple, v_shape: tuple, world: int = 1)
                          f"sequence evenly over the ranks; use a length divisible by {world}")
 
 
+def _partial_tiles(s: int, world: int, tile_m: int, s_kv: int) -> tuple[bool, bool]:
+    """(masked_q, masked_kv): a partial last Q tile (of S, or in the Ulysses order of each rank's S/P slice)
+    and a partial last KV block."""
+    return bool((s // world) % tile_m), bool(s_kv % TILE_N)
+
+
 def check_spans(spans, n_tiles: int, device, grid: int = 0) -> None:
     """The instrumentation buffer (flash_a2a.spans): int64 (dump_rows(n_tiles, grid), 4) on the kernel's device,
     one row per (tile, MMA warpgroup), then the fused kernel's one per CTA of its ``grid`` (0: FA-only)."""
@@ -215,14 +221,13 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, tail_spli
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError("out must be a contiguous tensor of q's shape and dtype")
-    if return_lse and tile_order_world > 1 and (s // tile_order_world) % TILE_M:
-        raise ValueError("return_lse=True with tile_order_world > 1 needs S/P a multiple of 128; pass "
-                         "tile_order_world=1 (the same values)")
     tile_m = query_tile_rows("local", d, spans is not None, tile_order_world)
     n_tiles = ulysses_tiles(s, tile_order_world, tile_m) * h * b
-    masked_q = bool((s // tile_order_world) % tile_m)  # a partial last Q tile (of S, or of each rank's S/P)
+    masked_q, masked_kv = _partial_tiles(s, tile_order_world, tile_m, k.shape[1])
     ranked = masked_q and tile_order_world > 1  # rows counted from each rank's slice
-    masked_kv = bool(k.shape[1] % TILE_N)  # a partial last KV block
+    if return_lse and ranked:
+        raise ValueError("return_lse=True with tile_order_world > 1 needs S/P a multiple of 128; pass "
+                         "tile_order_world=1 (the same values)")
     check_spans(spans, n_tiles, q.device)
     grid = _grid(n_tiles, q.device)
     config = resolve_config("local", n_tiles, grid, -(-k.shape[1] // TILE_N), 1, head_dim=d,
@@ -266,7 +271,7 @@ class FusedAttentionA2A:
         b, s, h_loc, d = q.shape
         n_tiles = ulysses_tiles(s, self.world, TILE_M) * h_loc * b
         vectors = relay_share(0, 1, self.world, b, s // self.world, h_loc, d * q.element_size() // 16)[2]
-        masked = bool((s // self.world) % TILE_M or k_len % TILE_N)
+        masked = any(_partial_tiles(s, self.world, TILE_M, k_len))
         return resolve_config(mode, n_tiles, _grid(n_tiles, q.device), -(-k_len // TILE_N), self.world,
                               head_dim=d, instrument=spans is not None, masked=masked, relay_vectors=vectors,
                               tail_split=tail_split, store=store, relay=relay)
@@ -288,7 +293,7 @@ class FusedAttentionA2A:
         b, s, h_loc, d = q.shape
         n_tiles = ulysses_tiles(s, self.world, TILE_M) * h_loc * b
         # a partial last tile per rank slice (its rows counted from the slice: ranked), a partial KV block
-        masked_q, masked_kv = bool((s // self.world) % TILE_M), bool(k.shape[1] % TILE_N)
+        masked_q, masked_kv = _partial_tiles(s, self.world, TILE_M, k.shape[1])
         ranked = masked_q
         grid = _grid(n_tiles, q.device)
         check_spans(spans, n_tiles, q.device, grid)

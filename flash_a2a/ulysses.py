@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from flash_a2a import ops  # noqa: F401 - registers torch.ops.xstage.*
-from flash_a2a.a2a import SymmetricUlyssesA2A
+from flash_a2a.a2a import SCATTER_TILE_M, SymmetricUlyssesA2A
 
 
 _SYMM_A2A: dict = {}
@@ -68,8 +68,8 @@ class UlyssesAttention(torch.nn.Module):
             if t.dim() != 4 or t.shape[2] % world:
                 raise ValueError(f"{name} must be (b, S/P, H, d) with H divisible by the group size {world}, "
                                  f"got {tuple(t.shape)}")
-        # the symmetric-memory scatter moves 128-row tiles of S/P; other lengths go through NCCL's All-to-All
-        pre = self.pre_a2a if all(t.shape[1] % 128 == 0 for t in (query, key, value)) else "nccl"
+        # the symmetric-memory scatter moves whole tiles of S/P; other lengths go through NCCL's All-to-All
+        pre = self.pre_a2a if all(t.shape[1] % SCATTER_TILE_M == 0 for t in (query, key, value)) else "nccl"
         q, k, v = (pre_attention_a2a(t.contiguous(), self.group, pre, slot)
                    for slot, t in enumerate((query, key, value)))
         return torch.ops.xstage.fused_attention_a2a(q, k, v, self.group.group_name, softmax_scale, self.mode)
