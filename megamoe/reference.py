@@ -203,15 +203,21 @@ def reference_moe_fp8(x, topk_idx, topk_weights, w1, w2, *, dtype=torch.float32,
     What is left between this and the kernel is fp32 summation order and WGMMA's accumulation inside a
     128-wide K block (promoted to fp32 once per block)."""
     wshape = (lambda w: w[0].shape if isinstance(w, (tuple, list)) else w.shape)
+    return _fp8_activation_layer(x, topk_idx, topk_weights, w1, w2, wshape,
+                                 lambda w, ex: _fp8_weight(w, ex, dtype, FP8_BLOCK), dtype, l2_block, combine_dtype)
+
+
+def _fp8_activation_layer(x, topk_idx, topk_weights, w1, w2, wshape, weight, dtype, l2_block, combine_dtype):
+    """The layer with W8A8's activations (x in 1x128 runs, h in 1 x ``l2_block``) and ``weight(w, e)``, expert
+    e's weight as the kernel multiplies it; ``wshape(w)``: w's unquantized (E, N, K)."""
     _, e, inter = _check_layer(x, topk_idx, topk_weights, wshape(w1), wshape(w2))
     xq = dequantize_fp8_rowblocks(*quantize_fp8_rowblocks(x)).to(dtype)
 
     def requantize(h):
         return dequantize_fp8_rowblocks(*quantize_fp8_rowblocks(h, l2_block), l2_block).to(dtype)
 
-    return _moe(xq, topk_idx, topk_weights, e, inter, lambda ex, rows: xq[rows] @ _fp8_weight(w1, ex, dtype,
-                FP8_BLOCK).T, lambda ex, h: h @ _fp8_weight(w2, ex, dtype, FP8_BLOCK).T, dtype, requantize,
-                combine_dtype)
+    return _moe(xq, topk_idx, topk_weights, e, inter, lambda ex, rows: xq[rows] @ weight(w1, ex).T,
+                lambda ex, h: h @ weight(w2, ex).T, dtype, requantize, combine_dtype)
 
 
 # --- W4A8: E2M1 weights with UE8M0 scales per 32 elements (issue 30) -------------------------------------------
@@ -285,9 +291,7 @@ def w4a8_fp8_weights(packed: torch.Tensor, scale: torch.Tensor, block: int = FP8
 def _w4a8_weight(w, e: int, dtype) -> torch.Tensor:
     """Expert e's W4A8 weight as the kernel multiplies it, in ``dtype``: w is bf16/fp32 (quantized here) or a
     (packed, UE8M0) pair."""
-    packed, scale = w if isinstance(w, (tuple, list)) else quantize_mxfp4_weights(w[e])
-    if isinstance(w, (tuple, list)):
-        packed, scale = packed[e], scale[e]
+    packed, scale = (w[0][e], w[1][e]) if isinstance(w, (tuple, list)) else quantize_mxfp4_weights(w[e])
     return dequantize_fp8_blockwise_weights(*w4a8_fp8_weights(packed, scale)).to(dtype)
 
 
@@ -297,12 +301,6 @@ def reference_moe_w4a8(x, topk_idx, topk_weights, w1, w2, *, dtype=torch.float32
     expert, or (packed, scale) pairs from quantize_mxfp4_weights), multiplied as ``w4a8_fp8_weights`` turns them
     into e4m3 blocks; activations as W8A8 (x in 1x128 runs, h in 1 x ``l2_block``)."""
     wshape = (lambda w: (w[0].shape[0], w[0].shape[1], 2 * w[0].shape[2]) if isinstance(w, (tuple, list))
-              else w.shape)
-    _, e, inter = _check_layer(x, topk_idx, topk_weights, wshape(w1), wshape(w2))
-    xq = dequantize_fp8_rowblocks(*quantize_fp8_rowblocks(x)).to(dtype)
-
-    def requantize(h):
-        return dequantize_fp8_rowblocks(*quantize_fp8_rowblocks(h, l2_block), l2_block).to(dtype)
-
-    return _moe(xq, topk_idx, topk_weights, e, inter, lambda ex, rows: xq[rows] @ _w4a8_weight(w1, ex, dtype).T,
-                lambda ex, h: h @ _w4a8_weight(w2, ex, dtype).T, dtype, requantize, combine_dtype)
+              else w.shape)  # packed: two values per byte
+    return _fp8_activation_layer(x, topk_idx, topk_weights, w1, w2, wshape,
+                                 lambda w, ex: _w4a8_weight(w, ex, dtype), dtype, l2_block, combine_dtype)
