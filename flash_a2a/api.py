@@ -226,7 +226,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, tail_spli
     masked_q, masked_kv = _partial_tiles(s, tile_order_world, tile_m, k.shape[1])
     ranked = masked_q and tile_order_world > 1  # rows counted from each rank's slice
     if return_lse and ranked:
-        raise ValueError("return_lse=True with tile_order_world > 1 needs S/P a multiple of 128; pass "
+        raise ValueError(f"return_lse=True with tile_order_world > 1 needs S/P a multiple of {tile_m}; pass "
                          "tile_order_world=1 (the same values)")
     check_spans(spans, n_tiles, q.device)
     grid = _grid(n_tiles, q.device)
@@ -269,12 +269,13 @@ class FusedAttentionA2A:
         key/value length (q's by default)."""
         k_len = q.shape[1] if k_len is None else k_len
         b, s, h_loc, d = q.shape
-        n_tiles = ulysses_tiles(s, self.world, TILE_M) * h_loc * b
+        tile_m = query_tile_rows(mode, d, spans is not None)
+        n_tiles = ulysses_tiles(s, self.world, tile_m) * h_loc * b
         vectors = relay_share(0, 1, self.world, b, s // self.world, h_loc, d * q.element_size() // 16)[2]
-        masked = any(_partial_tiles(s, self.world, TILE_M, k_len))
+        masked = any(_partial_tiles(s, self.world, tile_m, k_len))
         return resolve_config(mode, n_tiles, _grid(n_tiles, q.device), -(-k_len // TILE_N), self.world,
                               head_dim=d, instrument=spans is not None, masked=masked, relay_vectors=vectors,
-                              tail_split=tail_split, store=store, relay=relay)
+                              tile_m=tile_m, tail_split=tail_split, store=store, relay=relay)
 
     def launch(self, q, k, v, softmax_scale=None, mode: str = "piggyback", wait: bool = True, spans=None,
                self_store: bool = False, tail_split="auto", store="auto", relay="auto"):
@@ -291,9 +292,10 @@ class FusedAttentionA2A:
         check_qkv(q, k, v, self.world)
         check_ulysses_shapes(q.shape[1], q.shape[2] * self.world, self.world)
         b, s, h_loc, d = q.shape
-        n_tiles = ulysses_tiles(s, self.world, TILE_M) * h_loc * b
+        tile_m = query_tile_rows(mode, d, spans is not None)
+        n_tiles = ulysses_tiles(s, self.world, tile_m) * h_loc * b
         # a partial last tile per rank slice (its rows counted from the slice: ranked), a partial KV block
-        masked_q, masked_kv = _partial_tiles(s, self.world, TILE_M, k.shape[1])
+        masked_q, masked_kv = _partial_tiles(s, self.world, tile_m, k.shape[1])
         ranked = masked_q
         grid = _grid(n_tiles, q.device)
         check_spans(spans, n_tiles, q.device, grid)

@@ -160,8 +160,8 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         self.publish = fused and walk != "rounds"  # "rounds": the tail launch raises the flags
         if tile_m not in TILE_ROWS:
             raise ValueError(f"tile_m must be one of {TILE_ROWS}, got {tile_m}")
-        if tile_m != TILE_M and (head_dim != 64 or mode != "local" or walk != "all" or instrument):
-            raise ValueError(f"tile_m={tile_m} (three MMA warpgroups) is built for the one-launch local kernel at "
+        if tile_m != TILE_M and (head_dim != 64 or walk != "all" or instrument):
+            raise ValueError(f"tile_m={tile_m} (three MMA warpgroups) is built for one launch (walk='all') at "
                              "head_dim=64 without instrumentation; use tile_m=128")
         self.tile_m = tile_m
         # q_stages 2: the next tile's Q loads under this tile's loop, so the producer runs on into its K/V blocks

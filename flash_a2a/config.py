@@ -21,10 +21,11 @@ OPTIONS = {"tail_split": ("auto", True, False), "store": ("auto", "st", "paced")
 def query_tile_rows(mode: str, head_dim: int, instrument: bool = False, tile_order_world: int = 1) -> int:
     """Query rows per tile: TILE_M_D64 (192, three MMA warpgroups: FA4's SM90 configuration for d <= 64, where
     with two warpgroups the Tensor Cores idle under the softmax, whose exponentials per KV block take as long as
-    its GEMMs at d = 64) for the one-launch local kernel at d = 64 walking its own order,
-    TILE_M (128) everywhere else: the fused kernels and FA-only in their tile order (the Ulysses mapping's
-    128-row tiles), d = 128, and the instrumented kernels (the spans dump has two warpgroup rows per tile)."""
-    if mode == "local" and head_dim == 64 and not instrument and tile_order_world == 1:
+    its GEMMs at d = 64) at d = 64, local or fused, in any tile order (the Ulysses order cuts tiles from each
+    rank's slice: the kernels' ranked walk where S/P is not a multiple of 192); TILE_M (128) at d = 128 and for
+    the instrumented kernels (the spans dump has two warpgroup rows per tile)."""
+    del mode, tile_order_world  # every mode and order takes the 192-row tiles at d = 64
+    if head_dim == 64 and not instrument:
         return TILE_M_D64
     return TILE_M
 
@@ -233,8 +234,8 @@ def resolve_config(mode: str, n_tiles: int, grid: int, n_kv: int, world: int = 1
         raise ValueError(f"store='paced' spreads a tile's peer stores over the next tile's Q-loop: it needs "
                          f"mode='piggyback', got {mode!r}; pass store='st' or 'auto'")
     if store == "paced" and masked:
-        raise ValueError("store='paced' sends whole tiles; with a length that is not a multiple of 128 (a partial "
-                         "tile) pass store='st' or 'auto'")
+        raise ValueError(f"store='paced' sends whole tiles; with a length that is not a multiple of {tile_m} (a "
+                         "partial tile) pass store='st' or 'auto'")
     if store == "auto":
         store = ("paced" if mode == "piggyback" and not masked and paced_store_pays(n_tiles, grid, n_kv, split)
                  else "st")

@@ -302,18 +302,30 @@ def test_stage_counts_only_where_built(knobs, match):
         FlashAttentionA2AForward(**{"head_dim": 128, "mode": "local", **knobs})
 
 
+@pytest.mark.parametrize("knobs", [{"mode": "piggyback", "n_dst": 2}, {"mode": "piggyback", "n_dst": 2, "store": "paced"},
+                                   {"mode": "completion_coupled", "n_dst": 4, "masked_q": True, "masked_kv": True,
+                                    "ranked": True}])
+def test_fused_d64_three_warpgroup_kernels_compile(tmp_path, knobs):
+    """The fused kernels on 192-row d = 64 tiles: the flag protocol's fences, WGMMA, 128-bit stores, no spills."""
+    c = _compile(tmp_path / "v", **{"head_dim": 64, "tile_m": 192, **knobs})
+    assert c.ptx_count(WGMMA) >= 12 and c.ptx_count(r"st\.global\.v4") >= 1
+    assert c.ptx_count(r"fence\.acq_rel\.sys") == (3 if knobs["mode"] == "completion_coupled" else 2)
+    assert c.ptx_count(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160;") == 1
+    _no_spills(c)
+
+
 def test_d64_three_warpgroups_only_where_built():
     from flash_a2a.attention import FlashAttentionA2AForward
     from flash_a2a.config import query_tile_rows
 
-    for bad in ({"head_dim": 128}, {"mode": "piggyback", "n_dst": 2}, {"instrument": True}):
+    for bad in ({"head_dim": 128}, {"instrument": True}):
         with pytest.raises(ValueError, match="tile_m=192"):
             FlashAttentionA2AForward(**{"head_dim": 64, "mode": "local", "tile_m": 192, **bad})
     with pytest.raises(ValueError, match="tile_m must be one of"):
         FlashAttentionA2AForward(head_dim=64, tile_m=256)
-    assert query_tile_rows("local", 64) == 192
-    assert query_tile_rows("local", 128) == query_tile_rows("piggyback", 64) == 128
-    assert query_tile_rows("local", 64, instrument=True) == query_tile_rows("local", 64, tile_order_world=2) == 128
+    assert query_tile_rows("local", 64) == query_tile_rows("piggyback", 64) == 192
+    assert query_tile_rows("local", 64, tile_order_world=2) == 192
+    assert query_tile_rows("local", 128) == query_tile_rows("local", 64, instrument=True) == 128
 
 
 def test_lse_needs_the_local_one_launch_kernel_and_masks_one_launch():

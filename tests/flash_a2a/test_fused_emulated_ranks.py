@@ -46,19 +46,20 @@ def _launch_all_ranks(ranks: EmulatedRanks, qkv, mode: str, tail_split, store, r
     """Every rank's kernels on its own stream, all launched before any is waited for (the ready protocol needs
     them co-resident: grid = SMs / P each). Returns each rank's config."""
     from flash_a2a.api import SplitTailBuffers, _kernels_of, _local_args
-    from flash_a2a.config import resolve_config
+    from flash_a2a.config import query_tile_rows, resolve_config
     from flash_a2a.mapping import relay_share, ulysses_tiles
 
     world = ranks.world
     q0 = qkv[0][0]
     b, s, h_loc, d = q0.shape
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    n_tiles = ulysses_tiles(s, world, 128) * h_loc * b
-    masked_q, masked_kv = bool((s // world) % 128), bool(s % 128)  # partial tiles per rank slice, KV blocks
+    tile_m = query_tile_rows(mode, d)
+    n_tiles = ulysses_tiles(s, world, tile_m) * h_loc * b
+    masked_q, masked_kv = bool((s // world) % tile_m), bool(s % 128)  # partial tiles per rank slice, KV blocks
     grid = min(n_tiles, sms // world)
     vectors = relay_share(0, 1, world, b, s // world, h_loc, d * q0.element_size() // 16)[2]
     config = resolve_config(mode, n_tiles, grid, -(-s // 128), world, head_dim=d, masked=masked_q or masked_kv,
-                            relay_vectors=vectors, tail_split=tail_split, store=store, relay=relay)
+                            relay_vectors=vectors, tile_m=tile_m, tail_split=tail_split, store=store, relay=relay)
     spans = _local_args(q0.device).spans
     streams = [torch.cuda.Stream() for _ in range(world)]
     launches = []
@@ -88,6 +89,9 @@ def _launch_all_ranks(ranks: EmulatedRanks, qkv, mode: str, tail_split, store, r
                                              ((2, 4096, 6, 128), "piggyback", {}),  # the defaults: split, relay
                                              ((2, 4096, 6, 128), "piggyback", {"relay": False}),
                                              ((1, 1024, 8, 64), "piggyback", {}),
+                                             # d = 64: whole 192-row tiles per rank slice, paced and coupled
+                                             ((1, 4608, 4, 64), "piggyback", {"store": "paced", "tail_split": False}),
+                                             ((1, 4608, 8, 64), "completion_coupled", {}),
                                              # S/P not a multiple of 128: partial tiles end each rank's slice
                                              ((1, 2000, 4, 128), "piggyback", {}),
                                              ((2, 1500, 8, 64), "completion_coupled", {}),
