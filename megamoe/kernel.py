@@ -317,6 +317,16 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         return state, t_data
 
     @cute.jit
+    def drain(self, pipe, state, n_kb):
+        """Release ``n_kb`` stages without reading them, each once it is full (an early release would count
+        toward the stage's previous use and let the producer overwrite it under the other warpgroup)."""
+        for _ in cutlass.range(n_kb, unroll=1):
+            pipe.consumer_wait(state)
+            pipe.consumer_release(state)
+            state.advance()
+        return state
+
+    @cute.jit
     def mma(self, pool_w, records, scales, storage, layouts, mma, mma_half, pipe, walk, s_ntok, rec_cap, tidx):
         """The two MMA warpgroups: per tile of the walk its mainloop, then each warpgroup stages its 64 rows for
         its store warp (L1: SwiGLU x weight; L2: the bf16 rows of the Combine) and goes on (megamoe.epilogue)."""
@@ -364,11 +374,17 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             if kind == ts.KIND_L1:  # the router weights, loaded before the mainloop hides their latency
                 for r in cutlass.range_constexpr(cute.size(wts)):
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
-            if const_expr(self.fp8):
-                state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, e, n, p, arow,
-                                                       rows_c, scales)
+            t_data = Int64(0)
+            if s_ntok[e] - m * BLOCK_M > wg * self.wg_rows:
+                if const_expr(self.fp8):
+                    state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, e, n, p,
+                                                           arow, rows_c, scales)
+                else:
+                    state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
             else:
-                state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
+                # none of this warpgroup's 64 rows is a token (an expert's last tile holds at most 64): it skips
+                # the WGMMAs and their promotions, so the other warpgroup has the Tensor Cores to itself
+                state = self.drain(pipe, state, n_kb)
             if const_expr(self.instrument):
                 t_mma = cute.arch.globaltimer()
             waited = Int64(0)
