@@ -51,7 +51,6 @@ from megamoe import tile_stream as ts
 from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
 from megamoe.fp8_mainloop import Fp8MainloopMixin
 from megamoe.phases import NUM_THREADS, WG_THREADS, DispatchCombineMixin
-from megamoe.tail_tile import TailTileMixin
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -63,7 +62,7 @@ ERR_L1_TIMEOUT = 6
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
 
 
-class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin, TailTileMixin):
+class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin):
     """``hidden``, ``intermediate``: the layer (multiples of 128); ``top_k``; ``num_local_experts``: experts
     per rank; ``max_world``: the largest world size the launch may take (shared-memory tables);
     ``instrument``: per-tile records; ``precision``: "bf16", or "w8a8" (e4m3 weights with 128 x 128 block
@@ -318,6 +317,16 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         return state, t_data
 
     @cute.jit
+    def drain(self, pipe, state, n_kb):
+        """Release ``n_kb`` stages without reading them, each once it is full (an early release would count
+        toward the stage's previous use and let the producer overwrite it under the other warpgroup)."""
+        for _ in cutlass.range(n_kb, unroll=1):
+            pipe.consumer_wait(state)
+            pipe.consumer_release(state)
+            state.advance()
+        return state
+
+    @cute.jit
     def mma(self, pool_w, records, scales, storage, layouts, mma, mma_half, pipe, walk, s_ntok, rec_cap, tidx):
         """The two MMA warpgroups: per tile of the walk its mainloop, then each warpgroup stages its 64 rows for
         its store warp (L1: SwiGLU x weight; L2: the bf16 rows of the Combine) and goes on (megamoe.epilogue)."""
@@ -334,8 +343,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         wg_mma = mma.get_slice(wg * WG_THREADS)
         wg_half = mma_half.get_slice(wg * WG_THREADS)
         acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(wg_mma, (BLOCK_M, BLOCK_N, self.bk), sA, sB)
-        thr0 = mma.get_slice(0)
-        tCrA0 = thr0.make_fragment_A(thr0.partition_A(sA))  # warpgroup 0's A rows: both run them in a tail tile
         blks = None
         if const_expr(self.fp8):  # the two block accumulators of the W8A8 promotion units (megamoe.fp8_mainloop)
             blks = (cute.make_fragment_like(acc), cute.make_fragment_like(acc))
@@ -368,36 +375,26 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                 for r in cutlass.range_constexpr(cute.size(wts)):
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
             t_data = Int64(0)
-            # a tail tile: every token in warpgroup 0's rows (megamoe.tail_tile); role 1 + wg there, else 0
-            role = Int32(0)
-            if s_ntok[e] - m * BLOCK_M <= self.wg_rows:
-                role = 1 + wg
-            if role != 0:
-                state, t_data = self.tail_mainloop(mma, acc, blks, tCrA0, tCrB, pipe, state, kind, e, n, p, arow,
-                                                   rows_c, scales, wg)
-            else:
+            if s_ntok[e] - m * BLOCK_M > wg * self.wg_rows:
                 if const_expr(self.fp8):
                     state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, e, n, p,
                                                            arow, rows_c, scales)
                 else:
                     state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
+            else:
+                # none of this warpgroup's 64 rows is a token (an expert's last tile holds at most 64): it skips
+                # the WGMMAs and their promotions, so the other warpgroup has the Tensor Cores to itself
+                state = self.drain(pipe, state, n_kb)
             if const_expr(self.instrument):
                 t_mma = cute.arch.globaltimer()
             waited = Int64(0)
-            if role == 2:  # its partial sum to warpgroup 0; its staging, with no token, to its store warp
-                waited = self.staging_acquire(wg, j, s_ntok)
-                self.tail_exchange(acc, sC, wg, tidx)
-                self.staging_commit(wg)
-            else:
-                if role == 1:
-                    self.tail_exchange(acc, sC, wg, tidx)
-                if kind == ts.KIND_L1:
-                    if const_expr(self.fp8):
-                        waited = self.stage_l1_fp8(acc, wts, sQ, scales[1], p, n, rows_c, wg, j, tidx, s_ntok)
-                    else:
-                        waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j, s_ntok)
+            if kind == ts.KIND_L1:
+                if const_expr(self.fp8):
+                    waited = self.stage_l1_fp8(acc, wts, sQ, scales[1], p, n, rows_c, wg, j, tidx, s_ntok)
                 else:
-                    waited = self.stage_l2(acc, staging_c, wg, j, s_ntok)
+                    waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j, s_ntok)
+            else:
+                waited = self.stage_l2(acc, staging_c, wg, j, s_ntok)
             if const_expr(self.instrument):
                 if tidx == 0:
                     if j < rec_cap:
