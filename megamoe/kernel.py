@@ -51,6 +51,7 @@ from megamoe import tile_stream as ts
 from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
 from megamoe.fp8_mainloop import Fp8MainloopMixin
 from megamoe.phases import NUM_THREADS, WG_THREADS, DispatchCombineMixin
+from megamoe.tail_tile import TAIL_ATOMS, TailTileMixin
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -62,7 +63,7 @@ ERR_L1_TIMEOUT = 6
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
 
 
-class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin):
+class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin, TailTileMixin):
     """``hidden``, ``intermediate``: the layer (multiples of 128); ``top_k``; ``num_local_experts``: experts
     per rank; ``max_world``: the largest world size the launch may take (shared-memory tables);
     ``instrument``: per-tile records; ``precision``: "bf16", or "w8a8" (e4m3 weights with 128 x 128 block
@@ -145,6 +146,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         mma_half = sm90_helpers.make_trivial_tiled_mma(
             ab, ab, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=atoms, tiler_mn=(64, BLOCK_N // 2))
+        mma_tail = sm90_helpers.make_trivial_tiled_mma(  # megamoe.tail_tile: 64 rows, 64 columns per warpgroup
+            ab, ab, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=TAIL_ATOMS, tiler_mn=(64, BLOCK_N // 2))
         sA_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_M, self.bk), self.ab_stages)
         sB_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_N, self.bk), self.ab_stages)
         # staging (megamoe.epilogue): 128 padded rows; an L1 tile's h uses each row's first 64 columns
@@ -172,7 +176,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
 
         self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
                     peer_ptrs, epoch, done, errors, records, (s_pool, s_inter, s_w1, s_w2), gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2,
-                    sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
+                    sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, mma_tail, tx, rank, world, max_tokens, order,
                     experts_per_wave, lead, timeout_ns, rec_cap, SharedStorage).launch(
             grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
@@ -182,7 +186,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                peer_ptrs, epoch, done, errors, records, scales, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
                tma_h: cute.CopyAtom, tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, sH_layout: cute.Layout,
-               mma: cute.TiledMma, mma_half: cute.TiledMma, tx: cutlass.Constexpr, rank: Int32, world: Int32,
+               mma: cute.TiledMma, mma_half: cute.TiledMma, mma_tail: cute.TiledMma, tx: cutlass.Constexpr, rank: Int32, world: Int32,
                max_tokens: Int32, order: Int32, experts_per_wave: Int32, lead: Int32, timeout_ns: Int64,
                rec_cap: Int32, SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -233,7 +237,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(pool_w, records, scales, storage, (sA_layout, sB_layout, sC_layout, sH_layout), mma, mma_half,
-                     pipe, walk, s_ntok, rec_cap, tidx - WG_THREADS)
+                     mma_tail, pipe, walk, s_ntok, rec_cap, tidx - WG_THREADS)
             if const_expr(self.instrument):
                 if tidx == WG_THREADS:
                     records[ph + PHASES.index("walk_end")] = cute.arch.globaltimer()
@@ -317,17 +321,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         return state, t_data
 
     @cute.jit
-    def drain(self, pipe, state, n_kb):
-        """Release ``n_kb`` stages without reading them, each once it is full (an early release would count
-        toward the stage's previous use and let the producer overwrite it under the other warpgroup)."""
-        for _ in cutlass.range(n_kb, unroll=1):
-            pipe.consumer_wait(state)
-            pipe.consumer_release(state)
-            state.advance()
-        return state
-
-    @cute.jit
-    def mma(self, pool_w, records, scales, storage, layouts, mma, mma_half, pipe, walk, s_ntok, rec_cap, tidx):
+    def mma(self, pool_w, records, scales, storage, layouts, mma, mma_half, mma_tail, pipe, walk, s_ntok, rec_cap,
+            tidx):
         """The two MMA warpgroups: per tile of the walk its mainloop, then each warpgroup stages its 64 rows for
         its store warp (L1: SwiGLU x weight; L2: the bf16 rows of the Combine) and goes on (megamoe.epilogue)."""
         sA_layout, sB_layout, sC_layout, sH_layout = layouts
@@ -349,6 +344,20 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         arow = cute.make_rmem_tensor(cute.make_layout(cute.size(layout_utils.reshape_acc_to_mn(acc), mode=[0])),
                                      Int32)  # FP8: this thread's pool rows, for the activation scales
         acc_h = cute.make_rmem_tensor(wg_half.partition_shape_C((BLOCK_M, BLOCK_N // 2)), Float32)
+        # tail tiles (megamoe.tail_tile): this warpgroup's 64 columns of A's first 64 rows
+        thr_t = mma_tail.get_slice(tidx)
+        tA_t = thr_t.make_fragment_A(thr_t.partition_A(sA))
+        tB_t = thr_t.make_fragment_B(thr_t.partition_B(sB))
+        # W8A8: its accumulators are the first halves of the full tile's (the same registers: a WGMMA's
+        # accumulator operands stay live across the walk, so separate ones spilled); acc's first 32 elements are
+        # the full tile's columns [0, 64) in the same order. bf16: its own (aliased, ptxas serialized every WGMMA)
+        half_layout = cute.make_layout(thr_t.partition_shape_C((BLOCK_M // 2, BLOCK_N)))
+        acc_t = cute.make_rmem_tensor(half_layout, Float32)
+        blk_t = None
+        if const_expr(self.fp8):
+            acc_t = cute.make_tensor(acc.iterator, half_layout)
+            blk_t = (cute.make_tensor(blks[0].iterator, half_layout), cute.make_tensor(blks[1].iterator, half_layout))
+        rows_t = layout_utils.reshape_acc_to_mn(thr_t.partition_C(cute.make_identity_tensor((BLOCK_M // 2, BLOCK_N))))
         st_atom = copy_utils.get_smem_store_atom(self.dtype)
         thr_c = cute.make_tiled_copy_C(st_atom, mma).get_slice(tidx)
         thr_h = cute.make_tiled_copy_C(st_atom, mma_half).get_slice(tidx)
@@ -375,26 +384,36 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                 for r in cutlass.range_constexpr(cute.size(wts)):
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
             t_data = Int64(0)
-            if s_ntok[e] - m * BLOCK_M > wg * self.wg_rows:
+            # a tail tile: every token in warpgroup 0's rows (megamoe.tail_tile); role 1 + wg there, else 0
+            role = Int32(0)
+            if s_ntok[e] - m * BLOCK_M <= self.wg_rows:
+                role = 1 + wg
+            if role != 0:
+                state, t_data = self.tail_mainloop(mma_tail, acc_t, blk_t, tA_t, tB_t, pipe, state, kind, e, n, p,
+                                                   arow, rows_t, scales, wg)
+            else:
                 if const_expr(self.fp8):
                     state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, e, n, p,
                                                            arow, rows_c, scales)
                 else:
                     state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
-            else:
-                # none of this warpgroup's 64 rows is a token (an expert's last tile holds at most 64): it skips
-                # the WGMMAs and their promotions, so the other warpgroup has the Tensor Cores to itself
-                state = self.drain(pipe, state, n_kb)
             if const_expr(self.instrument):
                 t_mma = cute.arch.globaltimer()
             waited = Int64(0)
-            if kind == ts.KIND_L1:
-                if const_expr(self.fp8):
-                    waited = self.stage_l1_fp8(acc, wts, sQ, scales[1], p, n, rows_c, wg, j, tidx, s_ntok)
-                else:
-                    waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j, s_ntok)
+            if role == 2:  # its columns to warpgroup 0; its staging, with no token, to its store warp
+                waited = self.staging_acquire(wg, j, s_ntok)
+                self.tail_assemble(acc, acc_t, sC, wg, tidx)
+                self.staging_commit(wg)
             else:
-                waited = self.stage_l2(acc, staging_c, wg, j, s_ntok)
+                if role == 1:
+                    self.tail_assemble(acc, acc_t, sC, wg, tidx)
+                if kind == ts.KIND_L1:
+                    if const_expr(self.fp8):
+                        waited = self.stage_l1_fp8(acc, wts, sQ, scales[1], p, n, rows_c, wg, j, tidx, s_ntok)
+                    else:
+                        waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j, s_ntok)
+                else:
+                    waited = self.stage_l2(acc, staging_c, wg, j, s_ntok)
             if const_expr(self.instrument):
                 if tidx == 0:
                     if j < rec_cap:
