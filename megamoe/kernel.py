@@ -51,7 +51,7 @@ from megamoe import tile_stream as ts
 from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
 from megamoe.fp8_mainloop import Fp8MainloopMixin
 from megamoe.phases import NUM_THREADS, WG_THREADS, DispatchCombineMixin
-from megamoe.tail_tile import TAIL_ATOMS, TailTileMixin
+from megamoe.tail_tile import TAIL_ATOMS, drain, first_m_block, tail_assemble
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -63,7 +63,7 @@ ERR_L1_TIMEOUT = 6
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
 
 
-class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin, TailTileMixin):
+class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin):
     """``hidden``, ``intermediate``: the layer (multiples of 128); ``top_k``; ``num_local_experts``: experts
     per rank; ``max_world``: the largest world size the launch may take (shared-memory tables);
     ``instrument``: per-tile records; ``precision``: "bf16", or "w8a8" (e4m3 weights with 128 x 128 block
@@ -249,6 +249,13 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             self.finish(mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, (e_launch * 3 + 3) * arrivals,
                         e_launch, world, timeout_ns, tidx - WG_THREADS, bidx, grid, self.stamp_at(records, ph, "b3"))
 
+    @cute.jit
+    def record(self, records, bidx, j, rec_cap, tidx, field: cutlass.Constexpr, value) -> None:
+        """Thread 0: field ``field`` of tile ``j``'s record (within the CTA's ``rec_cap``)."""
+        if tidx == 0:
+            if j < rec_cap:
+                records[(Int64(bidx) * rec_cap + j) * REC_FIELDS + field] = value
+
     def stamp_at(self, records, ph, name: str):
         """(records, the index of phase stamp ``name`` of this CTA) when instrumented, else None."""
         return (records, ph + PHASES.index(name)) if const_expr(self.instrument) else None
@@ -344,20 +351,11 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         arow = cute.make_rmem_tensor(cute.make_layout(cute.size(layout_utils.reshape_acc_to_mn(acc), mode=[0])),
                                      Int32)  # FP8: this thread's pool rows, for the activation scales
         acc_h = cute.make_rmem_tensor(wg_half.partition_shape_C((BLOCK_M, BLOCK_N // 2)), Float32)
-        # tail tiles (megamoe.tail_tile): this warpgroup's 64 columns of A's first 64 rows
+        # bf16 tail tiles (megamoe.tail_tile): this warpgroup's 64 columns of A's first 64 rows
         thr_t = mma_tail.get_slice(tidx)
-        tA_t = thr_t.make_fragment_A(thr_t.partition_A(sA))
+        tA_t = first_m_block(thr_t.make_fragment_A(thr_t.partition_A(sA)))
         tB_t = thr_t.make_fragment_B(thr_t.partition_B(sB))
-        # W8A8: its accumulators are the first halves of the full tile's (the same registers: a WGMMA's
-        # accumulator operands stay live across the walk, so separate ones spilled); acc's first 32 elements are
-        # the full tile's columns [0, 64) in the same order. bf16: its own (aliased, ptxas serialized every WGMMA)
-        half_layout = cute.make_layout(thr_t.partition_shape_C((BLOCK_M // 2, BLOCK_N)))
-        acc_t = cute.make_rmem_tensor(half_layout, Float32)
-        blk_t = None
-        if const_expr(self.fp8):
-            acc_t = cute.make_tensor(acc.iterator, half_layout)
-            blk_t = (cute.make_tensor(blks[0].iterator, half_layout), cute.make_tensor(blks[1].iterator, half_layout))
-        rows_t = layout_utils.reshape_acc_to_mn(thr_t.partition_C(cute.make_identity_tensor((BLOCK_M // 2, BLOCK_N))))
+        acc_t = cute.make_rmem_tensor(thr_t.partition_shape_C((BLOCK_M // 2, BLOCK_N)), Float32)
         st_atom = copy_utils.get_smem_store_atom(self.dtype)
         thr_c = cute.make_tiled_copy_C(st_atom, mma).get_slice(tidx)
         thr_h = cute.make_tiled_copy_C(st_atom, mma_half).get_slice(tidx)
@@ -378,8 +376,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                 n_kb = Int32(self.k2)
             e = ts.expert_of_row(s_row_off, p, E)
             m = p - s_row_off[e]
-            if const_expr(self.instrument):
-                t_entry = cute.arch.globaltimer()
+            if const_expr(self.instrument):  # each stamp straight to the record: none stays live in a register
+                self.record(records, bidx, j, rec_cap, tidx, 2, cute.arch.globaltimer())
             if kind == ts.KIND_L1:  # the router weights, loaded before the mainloop hides their latency
                 for r in cutlass.range_constexpr(cute.size(wts)):
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
@@ -388,25 +386,30 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             role = Int32(0)
             if s_ntok[e] - m * BLOCK_M <= self.wg_rows:
                 role = 1 + wg
-            if role != 0:
-                state, t_data = self.tail_mainloop(mma_tail, acc_t, blk_t, tA_t, tB_t, pipe, state, kind, e, n, p,
-                                                   arow, rows_t, scales, wg)
-            else:
-                if const_expr(self.fp8):
+            if const_expr(self.fp8):
+                if role == 2:  # a W8A8 tail tile: warpgroup 0 runs it alone, warpgroup 1 releases the stages
+                    state = drain(pipe, state, n_kb)
+                else:
                     state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, e, n, p,
                                                            arow, rows_c, scales)
+            else:
+                if role != 0:  # a bf16 tail tile: the mainloop on the tail MMA's half-width fragments
+                    state, t_data = self.mainloop(mma_tail, acc_t, tA_t, tB_t, pipe, state, n_kb)
                 else:
                     state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
             if const_expr(self.instrument):
-                t_mma = cute.arch.globaltimer()
+                self.record(records, bidx, j, rec_cap, tidx, 4, cute.arch.globaltimer())
+                self.record(records, bidx, j, rec_cap, tidx, 3, t_data)
             waited = Int64(0)
-            if role == 2:  # its columns to warpgroup 0; its staging, with no token, to its store warp
+            if role == 2:  # (bf16) its columns to warpgroup 0; its staging, with no token, to its store warp
                 waited = self.staging_acquire(wg, j, s_ntok)
-                self.tail_assemble(acc, acc_t, sC, wg, tidx)
+                if const_expr(not self.fp8):
+                    tail_assemble(acc, acc_t, sC, wg, tidx)
                 self.staging_commit(wg)
             else:
-                if role == 1:
-                    self.tail_assemble(acc, acc_t, sC, wg, tidx)
+                if const_expr(not self.fp8):
+                    if role == 1:
+                        tail_assemble(acc, acc_t, sC, wg, tidx)
                 if kind == ts.KIND_L1:
                     if const_expr(self.fp8):
                         waited = self.stage_l1_fp8(acc, wts, sQ, scales[1], p, n, rows_c, wg, j, tidx, s_ntok)
@@ -421,9 +424,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                         base_r = (Int64(bidx) * rec_cap + j) * REC_FIELDS
                         records[base_r] = (Int64(kind) << 56) | (Int64(e) << 40) | (Int64(m) << 20) | Int64(n)
                         records[base_r + 1] = Int64(cute.arch.smid())
-                        records[base_r + 2] = t_entry
-                        records[base_r + 3] = t_data
-                        records[base_r + 4] = t_mma
                         records[base_r + 5] = t_end
                         records[base_r + REC_STAGING_WAIT] = waited
             j = j + 1
