@@ -146,27 +146,11 @@ class Fp8MainloopMixin:
         return state, t_data
 
     @cute.jit
-    def weight_scale_rows(self, kind, e, n):
-        """(lo, hi): where the weight scales of tile (expert e, N block n) start in s_w1 / s_w2 (one per K block
-        from there); L1's lo is the gate rows' block row, hi the up rows' (I / 128 block rows later)."""
-        H, I = self.hidden, self.intermediate
-        lo, hi = Int32(0), Int32(0)
-        if kind == ts.KIND_L1:
-            lo = (e * (2 * I // 128) + n // 2) * (H // 128)
-            hi = lo + (I // 128) * (H // 128)
-        else:
-            # the scales were stored by other CTAs' L1 epilogues before their release on l1_done[p]; the
-            # producer acquired that counter before this tile's first load, so once the first stage arrived
-            # (producer acquire -> its TMA -> the stage's mbarrier -> this warpgroup's wait) all are visible
-            lo = (e * (H // 128) + n) * (I // 128)
-            hi = lo
-        return lo, hi
-
-    @cute.jit
     def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, kind, e, n, p, arow, rows_c, scales):
         """acc = the tile's fp32 product over its 128-wide K blocks (L1: ``k1`` blocks in whole-block units; L2:
         ``k2`` blocks in half-block units). Returns the pipeline state and (instrument) when the first K block
         had arrived."""
+        H, I = self.hidden, self.intermediate
         for r in cutlass.range_constexpr(cute.size(arow)):
             arow[r] = p * BLOCK_M + rows_c[r, 0][0]
         rows = cute.size(arow)
@@ -179,7 +163,16 @@ class Fp8MainloopMixin:
         cur, nxt = block_scales(), block_scales()
         acc.fill(0.0)
         t_data = Int64(0)
-        lo, hi = self.weight_scale_rows(kind, e, n)
+        lo, hi = Int32(0), Int32(0)
+        if kind == ts.KIND_L1:
+            lo = (e * (2 * I // 128) + n // 2) * (H // 128)  # the gate rows' weight block row; up: I / 128 later
+            hi = lo + (I // 128) * (H // 128)
+        else:
+            # the scales below were stored by other CTAs' L1 epilogues before their release on l1_done[p]; the
+            # producer acquired that counter before this tile's first load, so once the first stage arrived
+            # (producer acquire -> its TMA -> the stage's mbarrier -> this warpgroup's wait) all are visible
+            lo = (e * (H // 128) + n) * (I // 128)
+            hi = lo
         if kind == ts.KIND_L1:
             state, t_data = self.fp8_k_loop(self.k1, 1, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, scales,
                                             lo, hi, cur, nxt, t_data)

@@ -51,7 +51,6 @@ from megamoe import tile_stream as ts
 from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
 from megamoe.fp8_mainloop import Fp8MainloopMixin
 from megamoe.phases import NUM_THREADS, WG_THREADS, DispatchCombineMixin
-from megamoe.tail_tile import TAIL_ATOMS, drain, first_m_block, tail_assemble
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -146,9 +145,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         mma_half = sm90_helpers.make_trivial_tiled_mma(
             ab, ab, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=atoms, tiler_mn=(64, BLOCK_N // 2))
-        mma_tail = sm90_helpers.make_trivial_tiled_mma(  # megamoe.tail_tile: 64 rows, 64 columns per warpgroup
-            ab, ab, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=TAIL_ATOMS, tiler_mn=(64, BLOCK_N // 2))
         sA_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_M, self.bk), self.ab_stages)
         sB_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_N, self.bk), self.ab_stages)
         # staging (megamoe.epilogue): 128 padded rows; an L1 tile's h uses each row's first 64 columns
@@ -176,7 +172,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
 
         self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
                     peer_ptrs, epoch, done, errors, records, (s_pool, s_inter, s_w1, s_w2), gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2,
-                    sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, mma_tail, tx, rank, world, max_tokens, order,
+                    sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
                     experts_per_wave, lead, timeout_ns, rec_cap, SharedStorage).launch(
             grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
@@ -186,7 +182,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                peer_ptrs, epoch, done, errors, records, scales, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
                tma_h: cute.CopyAtom, tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, sH_layout: cute.Layout,
-               mma: cute.TiledMma, mma_half: cute.TiledMma, mma_tail: cute.TiledMma, tx: cutlass.Constexpr, rank: Int32, world: Int32,
+               mma: cute.TiledMma, mma_half: cute.TiledMma, tx: cutlass.Constexpr, rank: Int32, world: Int32,
                max_tokens: Int32, order: Int32, experts_per_wave: Int32, lead: Int32, timeout_ns: Int64,
                rec_cap: Int32, SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -237,7 +233,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(pool_w, records, scales, storage, (sA_layout, sB_layout, sC_layout, sH_layout), mma, mma_half,
-                     mma_tail, pipe, walk, s_ntok, rec_cap, tidx - WG_THREADS)
+                     pipe, walk, s_ntok, rec_cap, tidx - WG_THREADS)
             if const_expr(self.instrument):
                 if tidx == WG_THREADS:
                     records[ph + PHASES.index("walk_end")] = cute.arch.globaltimer()
@@ -248,13 +244,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                     records[ph + PHASES.index("stores_done")] = t_done
             self.finish(mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, (e_launch * 3 + 3) * arrivals,
                         e_launch, world, timeout_ns, tidx - WG_THREADS, bidx, grid, self.stamp_at(records, ph, "b3"))
-
-    @cute.jit
-    def record(self, records, bidx, j, rec_cap, tidx, field: cutlass.Constexpr, value) -> None:
-        """Thread 0: field ``field`` of tile ``j``'s record (within the CTA's ``rec_cap``)."""
-        if tidx == 0:
-            if j < rec_cap:
-                records[(Int64(bidx) * rec_cap + j) * REC_FIELDS + field] = value
 
     def stamp_at(self, records, ph, name: str):
         """(records, the index of phase stamp ``name`` of this CTA) when instrumented, else None."""
@@ -328,8 +317,17 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         return state, t_data
 
     @cute.jit
-    def mma(self, pool_w, records, scales, storage, layouts, mma, mma_half, mma_tail, pipe, walk, s_ntok, rec_cap,
-            tidx):
+    def drain(self, pipe, state, n_kb):
+        """Release ``n_kb`` stages without reading them, each once it is full (an early release would count
+        toward the stage's previous use and let the producer overwrite it under the other warpgroup)."""
+        for _ in cutlass.range(n_kb, unroll=1):
+            pipe.consumer_wait(state)
+            pipe.consumer_release(state)
+            state.advance()
+        return state
+
+    @cute.jit
+    def mma(self, pool_w, records, scales, storage, layouts, mma, mma_half, pipe, walk, s_ntok, rec_cap, tidx):
         """The two MMA warpgroups: per tile of the walk its mainloop, then each warpgroup stages its 64 rows for
         its store warp (L1: SwiGLU x weight; L2: the bf16 rows of the Combine) and goes on (megamoe.epilogue)."""
         sA_layout, sB_layout, sC_layout, sH_layout = layouts
@@ -351,11 +349,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         arow = cute.make_rmem_tensor(cute.make_layout(cute.size(layout_utils.reshape_acc_to_mn(acc), mode=[0])),
                                      Int32)  # FP8: this thread's pool rows, for the activation scales
         acc_h = cute.make_rmem_tensor(wg_half.partition_shape_C((BLOCK_M, BLOCK_N // 2)), Float32)
-        # bf16 tail tiles (megamoe.tail_tile): this warpgroup's 64 columns of A's first 64 rows
-        thr_t = mma_tail.get_slice(tidx)
-        tA_t = first_m_block(thr_t.make_fragment_A(thr_t.partition_A(sA)))
-        tB_t = thr_t.make_fragment_B(thr_t.partition_B(sB))
-        acc_t = cute.make_rmem_tensor(thr_t.partition_shape_C((BLOCK_M // 2, BLOCK_N)), Float32)
         st_atom = copy_utils.get_smem_store_atom(self.dtype)
         thr_c = cute.make_tiled_copy_C(st_atom, mma).get_slice(tidx)
         thr_h = cute.make_tiled_copy_C(st_atom, mma_half).get_slice(tidx)
@@ -376,47 +369,35 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                 n_kb = Int32(self.k2)
             e = ts.expert_of_row(s_row_off, p, E)
             m = p - s_row_off[e]
-            if const_expr(self.instrument):  # each stamp straight to the record: none stays live in a register
-                self.record(records, bidx, j, rec_cap, tidx, 2, cute.arch.globaltimer())
+            if const_expr(self.instrument):
+                t_entry = cute.arch.globaltimer()
             if kind == ts.KIND_L1:  # the router weights, loaded before the mainloop hides their latency
                 for r in cutlass.range_constexpr(cute.size(wts)):
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
             t_data = Int64(0)
-            # a tail tile: every token in warpgroup 0's rows (megamoe.tail_tile); role 1 + wg there, else 0
-            role = Int32(0)
-            if s_ntok[e] - m * BLOCK_M <= self.wg_rows:
-                role = 1 + wg
-            if const_expr(self.fp8):
-                if role == 2:  # a W8A8 tail tile: warpgroup 0 runs it alone, warpgroup 1 releases the stages
-                    state = drain(pipe, state, n_kb)
-                else:
+            if s_ntok[e] - m * BLOCK_M > wg * self.wg_rows:
+                if const_expr(self.fp8):
                     state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, e, n, p,
                                                            arow, rows_c, scales)
-            else:
-                if role != 0:  # a bf16 tail tile: the mainloop on the tail MMA's half-width fragments
-                    state, t_data = self.mainloop(mma_tail, acc_t, tA_t, tB_t, pipe, state, n_kb)
                 else:
                     state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
-            if const_expr(self.instrument):
-                self.record(records, bidx, j, rec_cap, tidx, 4, cute.arch.globaltimer())
-                self.record(records, bidx, j, rec_cap, tidx, 3, t_data)
-            waited = Int64(0)
-            if role == 2:  # (bf16) its columns to warpgroup 0; its staging, with no token, to its store warp
-                waited = self.staging_acquire(wg, j, s_ntok)
-                if const_expr(not self.fp8):
-                    tail_assemble(acc, acc_t, sC, wg, tidx)
-                self.staging_commit(wg)
             else:
-                if const_expr(not self.fp8):
-                    if role == 1:
-                        tail_assemble(acc, acc_t, sC, wg, tidx)
-                if kind == ts.KIND_L1:
-                    if const_expr(self.fp8):
-                        waited = self.stage_l1_fp8(acc, wts, sQ, scales[1], p, n, rows_c, wg, j, tidx, s_ntok)
-                    else:
-                        waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j, s_ntok)
+                # none of this warpgroup's 64 rows is a token (an expert's last tile holds at most 64): it skips
+                # the WGMMAs and their promotions, so the other warpgroup has the Tensor Cores and the issue slots
+                # to itself; that warpgroup's rows get a full tile's arithmetic, so a token's row comes out the
+                # same bits whichever tile the atomic slot order puts it in. W8A8 5-11% faster at 1024 and 8192
+                # tokens, bf16 a tie; two ways to use the idle warpgroup lost (docs/FINDINGS.md, MegaMoE)
+                state = self.drain(pipe, state, n_kb)
+            if const_expr(self.instrument):
+                t_mma = cute.arch.globaltimer()
+            waited = Int64(0)
+            if kind == ts.KIND_L1:
+                if const_expr(self.fp8):
+                    waited = self.stage_l1_fp8(acc, wts, sQ, scales[1], p, n, rows_c, wg, j, tidx, s_ntok)
                 else:
-                    waited = self.stage_l2(acc, staging_c, wg, j, s_ntok)
+                    waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j, s_ntok)
+            else:
+                waited = self.stage_l2(acc, staging_c, wg, j, s_ntok)
             if const_expr(self.instrument):
                 if tidx == 0:
                     if j < rec_cap:
@@ -424,6 +405,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                         base_r = (Int64(bidx) * rec_cap + j) * REC_FIELDS
                         records[base_r] = (Int64(kind) << 56) | (Int64(e) << 40) | (Int64(m) << 20) | Int64(n)
                         records[base_r + 1] = Int64(cute.arch.smid())
+                        records[base_r + 2] = t_entry
+                        records[base_r + 3] = t_data
+                        records[base_r + 4] = t_mma
                         records[base_r + 5] = t_end
                         records[base_r + REC_STAGING_WAIT] = waited
             j = j + 1

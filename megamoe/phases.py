@@ -30,7 +30,6 @@ class NamedBarrierMoE(enum.IntEnum):
     StagingFull = 2  # 2, 3: warpgroup w's rows are staged (it arrives, its store warp syncs)
     StagingFree = 4  # 4, 5: the store warp has read them out (it arrives, warpgroup w syncs before restaging)
     StoresDone = 6  # the store warps' last stores are complete (they arrive, the MMA warpgroups sync before B3)
-    TailHandOver = 7  # both MMA warpgroups: a tail tile's second 64 columns handed over (megamoe.tail_tile)
 
 
 class DispatchCombineMixin:
