@@ -18,7 +18,10 @@ replays both orders on the host (up to ~1 s at DSv4-Flash's 256 experts); later 
 On the grid after the W8A8 promotion units (``megamoe_grid_c19b293.json``) the bf16 regret is still at most
 3.7%, W8A8's 5.7% (mean 0.9%; always-interleaved 4.7%): the replay below still costs W8A8 at twice the bf16
 rate and picks wave at emulated P = 2 DiT-MoE, where interleaved is now 4-6% faster (refitting these costs
-to the new kernel is open work: issue 30).
+to the new kernel is open work: issue 30). After the tail drain (``megamoe_grid_bd00a6a.json`` with its 1024-token
+companion) the regret is 4.5% / 5.0% (1024 tokens) for bf16 and 8.1% / 1.3% for W8A8, the worst rows emulated
+P = 2 DiT-MoE again; the dump's W8A8 rates (1.78x / 1.56x bf16, epilogues 0.9 / 0.4 us) in place of these costs
+flip no pick there: the replay predicts wave 3.5% faster where interleaved measures 2-8% faster.
 """
 from __future__ import annotations
 
