@@ -24,7 +24,7 @@ from cute_kernels.dist import meet_after_compile
 from cute_kernels.runtime import TORCH_TO_CUTLASS, check_error_word
 from flash_a2a.a2a import SymmetricOutput
 from flash_a2a.attention import MODES, FlashAttentionA2AForward
-from flash_a2a.tiling import PARTIAL_FLOATS, TILE_M, TILE_N, WG_THREADS
+from flash_a2a.tiling import PARTIAL_FLOATS, TILE_N, WG_THREADS
 from flash_a2a.config import AttentionConfig, query_tile_rows, resolve_config
 from flash_a2a.mapping import check_ulysses_shapes, relay_share, ulysses_tiles
 from flash_a2a.spans import SPAN_FIELDS, dump_rows
@@ -221,7 +221,7 @@ def flash_attention(q, k, v, softmax_scale=None, out=None, spans=None, tail_spli
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError("out must be a contiguous tensor of q's shape and dtype")
-    tile_m = query_tile_rows("local", d, spans is not None, tile_order_world)
+    tile_m = query_tile_rows(d, spans is not None)
     n_tiles = ulysses_tiles(s, tile_order_world, tile_m) * h * b
     masked_q, masked_kv = _partial_tiles(s, tile_order_world, tile_m, k.shape[1])
     ranked = masked_q and tile_order_world > 1  # rows counted from each rank's slice
@@ -269,7 +269,7 @@ class FusedAttentionA2A:
         key/value length (q's by default)."""
         k_len = q.shape[1] if k_len is None else k_len
         b, s, h_loc, d = q.shape
-        tile_m = query_tile_rows(mode, d, spans is not None)
+        tile_m = query_tile_rows(d, spans is not None)
         n_tiles = ulysses_tiles(s, self.world, tile_m) * h_loc * b
         vectors = relay_share(0, 1, self.world, b, s // self.world, h_loc, d * q.element_size() // 16)[2]
         masked = any(_partial_tiles(s, self.world, tile_m, k_len))
@@ -292,14 +292,12 @@ class FusedAttentionA2A:
         check_qkv(q, k, v, self.world)
         check_ulysses_shapes(q.shape[1], q.shape[2] * self.world, self.world)
         b, s, h_loc, d = q.shape
-        tile_m = query_tile_rows(mode, d, spans is not None)
-        n_tiles = ulysses_tiles(s, self.world, tile_m) * h_loc * b
-        # a partial last tile per rank slice (its rows counted from the slice: ranked), a partial KV block
-        masked_q, masked_kv = _partial_tiles(s, self.world, tile_m, k.shape[1])
-        ranked = masked_q
-        grid = _grid(n_tiles, q.device)
-        check_spans(spans, n_tiles, q.device, grid)
         config = self.config(q, mode, spans, tail_split, store, relay, k.shape[1])
+        n_tiles, grid = config.n_tiles, config.grid
+        # a partial last tile per rank slice (its rows counted from the slice: ranked), a partial KV block
+        masked_q, masked_kv = _partial_tiles(s, self.world, config.tile_m, k.shape[1])
+        ranked = masked_q
+        check_spans(spans, n_tiles, q.device, grid)
         st = self.state(q)
         self.decided[(b, s, h_loc, d, q.dtype)] = config
         dst_ptrs = st.self_ptrs if self_store else st.out_ptrs

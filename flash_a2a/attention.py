@@ -86,8 +86,8 @@ class NamedBarrierFwd(enum.IntEnum):
     Done = 8  # fused: the MMA warpgroups' last stores and the flag warp, before publish_done
 
 
-# Query rows per tile and the register split: 128 rows (two MMA warpgroups, 240 registers each) everywhere,
-# or 192 (three, 160 each: FA4's SM90 configuration for d = 64) for the one-launch local kernel at d = 64
+# Query rows per tile and the register split: 128 rows (two MMA warpgroups, 240 registers each), or 192 (three,
+# 160 each: FA4's SM90 configuration for d = 64) for the one-launch kernels at d = 64, local or fused
 # (flash_a2a.config.query_tile_rows decides).
 TILE_ROWS = (TILE_M, TILE_M_D64)
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}  # MMA warpgroups -> (producer, MMA) registers per thread

@@ -18,13 +18,12 @@ from flash_a2a.tiling import TILE_M, TILE_M_D64
 OPTIONS = {"tail_split": ("auto", True, False), "store": ("auto", "st", "paced"), "relay": ("auto", True, False)}
 
 
-def query_tile_rows(mode: str, head_dim: int, instrument: bool = False, tile_order_world: int = 1) -> int:
+def query_tile_rows(head_dim: int, instrument: bool = False) -> int:
     """Query rows per tile: TILE_M_D64 (192, three MMA warpgroups: FA4's SM90 configuration for d <= 64, where
     with two warpgroups the Tensor Cores idle under the softmax, whose exponentials per KV block take as long as
     its GEMMs at d = 64) at d = 64, local or fused, in any tile order (the Ulysses order cuts tiles from each
     rank's slice: the kernels' ranked walk where S/P is not a multiple of 192); TILE_M (128) at d = 128 and for
     the instrumented kernels (the spans dump has two warpgroup rows per tile)."""
-    del mode, tile_order_world  # every mode and order takes the 192-row tiles at d = 64
     if head_dim == 64 and not instrument:
         return TILE_M_D64
     return TILE_M

@@ -13,8 +13,8 @@ One CTA per SM (at most SMs / P per emulated rank), 3 warpgroups. The launch run
    B (weights) into a ``ab_stages``-deep pipeline; the two MMA warpgroups (64 rows each of a 128 x 128 tile)
    run WGMMA, then stage their rows in shared memory for their store warps (warps 1 and 2) and go on to the
    next mainloop (``megamoe.epilogue``); in an expert's tail tile with at most 64 tokens the second warpgroup
-   only releases the stages (its rows hold no token). All of them walk the same tile stream (``megamoe.tile_stream``: the
-   expert-wave order or Algorithm 1, chosen at launch). L1 tile (row p, N block n): gate and up are the
+   only releases the stages (its rows hold no token). All of them walk the same tile stream
+   (``megamoe.tile_stream``: the expert-wave order or Algorithm 1, chosen at launch). L1 tile (row p, N block n): gate and up are the
    64 + 64 columns of the interleaved weight block (``MegaMoE.load_weights``); h = silu(gate) * up * weight
    goes to the local intermediate, then a release-add on ``l1_done[p]``. L2 tile: the producer waits
    (bounded) until ``l1_done[p]`` counts every L1 half-tile of the row; the store warp sends each bf16 row

@@ -53,7 +53,7 @@ def _launch_all_ranks(ranks: EmulatedRanks, qkv, mode: str, tail_split, store, r
     q0 = qkv[0][0]
     b, s, h_loc, d = q0.shape
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tile_m = query_tile_rows(mode, d)
+    tile_m = query_tile_rows(d)
     n_tiles = ulysses_tiles(s, world, tile_m) * h_loc * b
     masked_q, masked_kv = bool((s // world) % tile_m), bool(s % 128)  # partial tiles per rank slice, KV blocks
     grid = min(n_tiles, sms // world)

@@ -37,7 +37,7 @@ def test_one_rank_fused_equals_fa_only(fused, shape, mode, opts):
     from flash_a2a.config import query_tile_rows
 
     # d = 64 runs 192-row tiles: 2048 is a partial tile there, 2304 whole ones
-    if shape[1] % query_tile_rows(mode, shape[3]) and opts.get("store") == "paced":
+    if shape[1] % query_tile_rows(shape[3]) and opts.get("store") == "paced":
         with pytest.raises(ValueError, match="paced"):
             fused(*_randn(shape), mode=mode, **opts)
         return
