@@ -4,6 +4,9 @@ the check a kernel experiment owes before it lands (or is written up and dropped
     python -m benchmarks.old_vs_new --prepare COMMIT        # here (git, no GPU): .oldtree/old_megamoe, ...
     PYTHONPATH=$PWD:$PWD/.oldtree python -m benchmarks.megamoe_old_vs_new --out J [--cases ...]   # the GPU
 
+``--same-tree --set new.m_group=2`` times this tree against itself with a run-time attribute of one side's
+layers changed (a launch-time knob: nothing else differs, no export needed).
+
 Each case builds both layers with the same seeded weights, tokens and routing, checks both outputs against
 each other (``identical_output``: bit for bit, which a change of schedule-free arithmetic keeps; otherwise
 their max difference over max |y|), and times them by CUDA-Graph replay: interleaved rounds in a fresh order
@@ -54,13 +57,16 @@ def run(args) -> dict:
     from cute_kernels.runtime import provenance
     from megamoe.reference import make_routing
 
-    try:
-        from old_megamoe.api import MegaMoE as OldMoE
-    except ImportError as e:
-        raise SystemExit(f"old_megamoe does not import ({e}): put {args.old} on PYTHONPATH") from e
     from megamoe.api import MegaMoE as NewMoE
 
-    exported = old_commit(args.old)
+    if args.same_tree:
+        OldMoE, exported = NewMoE, "this tree"
+    else:
+        try:
+            from old_megamoe.api import MegaMoE as OldMoE
+        except ImportError as e:
+            raise SystemExit(f"old_megamoe does not import ({e}): put {args.old} on PYTHONPATH") from e
+        exported = old_commit(args.old)
     print(f"seed={args.seed}")
     rows = []
     with process_group(0, 1, os.path.join(args.tmp, "pg")):
@@ -78,6 +84,10 @@ def run(args) -> dict:
                 layers[name] = cls(None, preset.num_experts, preset.top_k, preset.hidden, preset.intermediate,
                                    dtype=dtype, schedule=case["schedule"], max_tokens_per_rank=case["tokens"])
                 layers[name].load_weights(w1, w2)
+                for attr, value in args.settings.get(name, {}).items():
+                    if not hasattr(layers[name], attr):
+                        raise SystemExit(f"--set {name}.{attr}: the {name} layer has no attribute {attr!r}")
+                    setattr(layers[name], attr, value)
             del w1, w2
             outs = {n: torch.empty_like(x) for n in layers}
 
@@ -101,7 +111,8 @@ def run(args) -> dict:
                   f"{same} (max rel diff {diff:.1e})", flush=True)
             del layers
             torch.cuda.empty_cache()
-    return {"provenance": provenance(" ".join(sys.argv)), "old_commit": exported, "rows": rows,
+    return {"provenance": provenance(" ".join(sys.argv)), "old_commit": exported, "settings": args.settings,
+            "rows": rows,
             "method": f"world size 1; {args.replays} interleaved rounds of {args.calls_per_graph}-call graphs; "
                       f"{args.pairs} alternating adjacent pairs of one-call graph replays (new - old, and old - "
                       "old as noise); outputs copied out of the layer inside each call, in both columns"}
@@ -112,9 +123,20 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="result JSON")
     p.add_argument("--cases", nargs="+", type=parse_case, default=[parse_case(c) for c in DEFAULT_CASES],
                    help="SHAPE:TOKENS:ROUTING:DTYPE[:SCHEDULE] (default: " + " ".join(DEFAULT_CASES) + ")")
+    p.add_argument("--same-tree", action="store_true", help="old is this tree too (with --set: a run-time knob)")
+    p.add_argument("--set", nargs="+", default=[], metavar="SIDE.ATTR=INT",
+                   help="set an integer attribute of one side's layers after load_weights, e.g. new.m_group=2")
     add_timing_arguments(p, calls_per_graph=2, pairs=24)
     args = p.parse_args(argv)
-    check_old_tree(p, args.old)
+    args.settings = {}
+    for spec in args.set:
+        side, _, rest = spec.partition(".")
+        attr, _, value = rest.partition("=")
+        if side not in ("old", "new") or not attr or not value.lstrip("-").isdigit():
+            p.error(f"--set takes old.ATTR=INT or new.ATTR=INT, got {spec!r}")
+        args.settings.setdefault(side, {})[attr] = int(value)
+    if not args.same_tree:
+        check_old_tree(p, args.old)
     import torch
 
     if not torch.cuda.is_available():

@@ -180,6 +180,7 @@ class MegaMoE:
         self.shape = sched.MoEShape(hidden, intermediate)
         self.lead = sched.d_lead(self.shape, self.grid) if lead is None else float(lead)
         self.lead_rows = ts.lead_rows(self.lead)
+        self.m_group = 1  # schedule.RankWork.raster's row groups (1: row-major)
         self.state = _RankState(hidden, intermediate, top_k, self.num_local, self.world, max_tokens_per_rank,
                                 self.grid, self.device, group if _rank_world is None else None, self.fp8)
         self.peer_ptrs = None
@@ -300,7 +301,7 @@ class MegaMoE:
                     st.combine, st.counts, st.tok_slot, st.l1_done, st.barrier,
                     self.peer_ptrs if peer_ptrs is None else peer_ptrs, st.epoch, st.done, st.errors, self.records,
                     st.pool_scale, st.inter_scale, self.w1_scale, self.w2_scale, self.rank, self.world, self.max_tokens, order, self.experts_per_wave(x.shape[0]),
-                    self.lead_rows, self.grid, TIMEOUT_NS, self.rec_cap)
+                    self.lead_rows, self.m_group, self.grid, TIMEOUT_NS, self.rec_cap)
 
     def forward(self, x, topk_idx, topk_weights, schedule: str | None = None) -> torch.Tensor:
         if schedule is not None:

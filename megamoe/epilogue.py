@@ -156,7 +156,7 @@ class StagedEpilogueMixin:
                    rec_cap, wg, lane):
         """Store warp of MMA warpgroup ``wg``: per tile of the CTA's stream, its 64 staged rows out (lane takes
         rows lane and lane + 32), as the module docstring says."""
-        order, s_row_off, num_rows, epw, lead, bidx, grid = walk
+        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
         E = self.num_local_experts
         I, H = self.intermediate, self.hidden
         slots = max_tokens * self.top_k
@@ -165,7 +165,7 @@ class StagedEpilogueMixin:
         s_bytes = cute.recast_ptr(sC.iterator, dtype=cutlass.Uint8)
         dst = cute.make_rmem_tensor(cute.make_layout(2), Int64)
         cursor = ts.initial_cursor(order, bidx)
-        found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
+        found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
                                                  self.n1, self.n2, E)
         j = Int32(0)
         while found != 0:
@@ -216,7 +216,7 @@ class StagedEpilogueMixin:
                     records[base + REC_STORE_BEGIN] = g0
                     records[base + REC_STORE_END] = cute.arch.globaltimer()
             j = j + 1
-            found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
+            found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
                                                      self.n1, self.n2, E)
             if found != 0:
                 cute.arch.barrier_arrive(barrier_id=NamedBarrierMoE.StagingFree + wg,

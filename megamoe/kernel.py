@@ -118,7 +118,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         return (mat(bf16, H), mat(Int32, k), mat(Float32, k), mat(ab, H), mat(ab, I), mat(bf16, H),
                 mat(ab, H), mat(ab, I), vec(Int32), vec(Float32), mat(bf16, H), vec(Int32), vec(Int32),
                 vec(Int32), vec(Int64, 8), vec(Int64, 8), vec(Int64, 8), vec(Int32), vec(Int32), vec(Int64, 8),
-                vec(Float32), vec(Float32), vec(Float32), vec(Float32), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int32(0), Int32(1), Int64(1), Int32(1))
+                vec(Float32), vec(Float32), vec(Float32), vec(Float32), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int64(1), Int32(1))
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mIdx: cute.Tensor, mWgt: cute.Tensor, mW1: cute.Tensor,
@@ -127,7 +127,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                  tok_slot: cute.Tensor, l1_done: cute.Tensor, barrier: cute.Tensor, peer_ptrs: cute.Tensor,
                  epoch: cute.Tensor, done: cute.Tensor, errors: cute.Tensor, records: cute.Tensor,
                  s_pool: cute.Tensor, s_inter: cute.Tensor, s_w1: cute.Tensor, s_w2: cute.Tensor, rank: Int32, world: Int32, max_tokens: Int32, order: Int32, experts_per_wave: Int32,
-                 lead: Int32, grid: Int32, timeout_ns: Int64, rec_cap: Int32, stream: cuda.CUstream):
+                 lead: Int32, m_group: Int32, grid: Int32, timeout_ns: Int64, rec_cap: Int32, stream: cuda.CUstream):
         """``mX`` (T, H) this rank's tokens, ``mIdx``/``mWgt`` (T, top_k) routing; ``mW1`` (E_l * 2I, H) and
         ``mW2`` (E_l * H, I) this rank's experts (load_weights' layout); ``mY`` (T, H). Symmetric (peers write):
         ``mPool`` (rows, H), ``pool_src``/``pool_w`` (rows), ``mComb`` (max_tokens * top_k, H), ``counts``
@@ -174,7 +174,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
                     peer_ptrs, epoch, done, errors, records, (s_pool, s_inter, s_w1, s_w2), gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2,
                     sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
-                    experts_per_wave, lead, timeout_ns, rec_cap, SharedStorage).launch(
+                    experts_per_wave, lead, m_group, timeout_ns, rec_cap, SharedStorage).launch(
             grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -184,7 +184,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                tma_h: cute.CopyAtom, tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, sH_layout: cute.Layout,
                mma: cute.TiledMma, mma_half: cute.TiledMma, tx: cutlass.Constexpr, rank: Int32, world: Int32,
-               max_tokens: Int32, order: Int32, experts_per_wave: Int32, lead: Int32, timeout_ns: Int64,
+               max_tokens: Int32, order: Int32, experts_per_wave: Int32, lead: Int32, m_group: Int32, timeout_ns: Int64,
                rec_cap: Int32, SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -222,7 +222,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         self.cross_rank_barrier(barrier, peer_ptrs, (e_launch * 3 + 2) * arrivals, world, errors, timeout_ns,
                                 tidx, bidx, stamp=self.stamp_at(records, ph, "b2"))
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
-        walk = (order, s_row_off, s_row_off[E], experts_per_wave, lead, bidx, grid)
+        walk = (order, s_row_off, s_row_off[E], experts_per_wave, lead, m_group, bidx, grid)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
@@ -257,13 +257,13 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         """Per tile of the walk: (L2) wait for its row's L1 half-tiles, then its K blocks of A and B."""
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        order, s_row_off, num_rows, epw, lead, bidx, grid = walk
+        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
         E = self.num_local_experts
         # the pool rows arrived by generic-proxy stores (Dispatch, ordered by barrier B2); TMA reads them
         cute.arch.fence_proxy("async.global")
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         cursor = ts.initial_cursor(order, bidx)
-        found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
+        found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
                                                  self.n1, self.n2, E)
         while found != 0:
             e = ts.expert_of_row(s_row_off, p, E)
@@ -275,7 +275,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                 # the intermediate was written by generic-proxy stores; TMA reads through the async proxy
                 cute.arch.fence_proxy("async.global")
                 state = self.load_tile(tma_h, gH, tma_w2, gW2, p, e * self.n2 + n, sA, sB, self.k2, pipe, state)
-            found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
+            found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
                                                      self.n1, self.n2, E)
         pipe.producer_tail(state)
 
@@ -338,7 +338,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         sH = storage.sC.get_tensor(sH_layout)  # a view of sC: each row's first 64 columns
         sQ = cute.make_tensor(cute.recast_ptr(sC.iterator, dtype=self.ab_dtype),
                               cute.make_layout((BLOCK_M, BLOCK_N // 2), stride=(2 * STAGE_ROW, 1)))  # FP8 h
-        order, s_row_off, num_rows, epw, lead, bidx, grid = walk
+        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
         E = self.num_local_experts
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_mma = mma.get_slice(wg * WG_THREADS)
@@ -361,7 +361,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         wts = cute.make_rmem_tensor(cute.make_layout(cute.size(rows_c, mode=[0])), Float32)  # L1: router weights
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         cursor = ts.initial_cursor(order, bidx)
-        found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
+        found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
                                                  self.n1, self.n2, E)
         j = Int32(0)  # the tile's place in the CTA's stream
         while found != 0:
@@ -412,5 +412,5 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                         records[base_r + 5] = t_end
                         records[base_r + REC_STAGING_WAIT] = waited
             j = j + 1
-            found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, bidx, grid,
+            found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
                                                      self.n1, self.n2, E)

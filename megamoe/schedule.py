@@ -182,6 +182,29 @@ class RankWork:
         """Token rows the M block really holds (the last block of an expert may be partial)."""
         return min(self.shape.block_m, self.tokens_per_expert[expert] - m_block * self.shape.block_m)
 
+    def raster(self, first_row: int, j: int, units: int, m_group: int) -> tuple[int, int, int, int]:
+        """The ``j``-th (row, unit) of the rows from ``first_row`` on (whole experts), ``units`` per row (N blocks
+        or N-block pairs), in row groups: each expert's M blocks taken ``m_group`` at a time, a group walked unit
+        by unit with its rows fastest. Returns (row, unit, the group's first row, its last row).
+
+        Why: the rows of a group read the same weight block (expert, N block) one after another, so a grid that
+        walks the list in order has them in flight together and the weight block comes from HBM once, from L2
+        for the others; ``m_group=1`` is the row-major walk (N block fastest). An expert's tiles fill exactly
+        its rows' slots, so row slot first_row + j // units names the expert."""
+        if m_group < 1:
+            raise ScheduleError(f"m_group must be >= 1, got {m_group}")
+        if m_group == 1:
+            p = first_row + j // units
+            return p, j % units, p, p
+        e, _ = self.rows[first_row + j // units]
+        start, blocks = self.row_offsets[e], self.m_blocks[e]
+        local = j - (start - first_row) * units
+        k = local // (m_group * units)
+        group_rows = min(m_group, blocks - k * m_group)
+        t = local - k * m_group * units
+        first = start + k * m_group
+        return first + t % group_rows, t // group_rows, first, first + group_rows - 1
+
     def row_tiles(self, kind: str, p: int) -> list[Tile]:
         e, m = self.rows[p]
         return [Tile(kind, e, m, n) for n in range(self.shape.n_blocks(kind))]
@@ -252,11 +275,12 @@ def wave_rows(work: RankWork, wave: range) -> range:
 
 
 def expert_wave_order(work: RankWork, num_ctas: int, experts_per_wave: int | None = None,
-                      rounds: int = WAVE_FILL_ROUNDS) -> Schedule:
+                      rounds: int = WAVE_FILL_ROUNDS, m_group: int = 1) -> Schedule:
     """The expert-wave order: wave w's L1 tiles, then its L2 tiles, then wave w + 1, as one list that the
     persistent grid walks with stride ``num_ctas`` (CTA c takes list entries c, c + num_ctas, ...; within a
     wave rows go expert by expert, N block fastest), which is the baseline's static persistent walk.
-    ``experts_per_wave=None`` takes :func:`expert_wave_size` at the rank's mean token count."""
+    ``experts_per_wave=None`` takes :func:`expert_wave_size` at the rank's mean token count. ``m_group``: each
+    kind's tiles of a wave in :meth:`RankWork.raster`'s row groups (1: row by row, N block fastest)."""
     if num_ctas <= 0:
         raise ScheduleError(f"num_ctas must be > 0, got {num_ctas}")
     if experts_per_wave is None:
@@ -267,10 +291,15 @@ def expert_wave_order(work: RankWork, num_ctas: int, experts_per_wave: int | Non
     for wave in expert_waves(work, experts_per_wave):
         rows = wave_rows(work, wave)
         for kind in KINDS:
-            walk.extend(t for p in rows for t in work.row_tiles(kind, p))
+            units = work.shape.n_blocks(kind)
+            for j in range(len(rows) * units):
+                p, n, _, _ = work.raster(rows.start, j, units, m_group)
+                e, m = work.rows[p]
+                walk.append(Tile(kind, e, m, n))
     streams = tuple(tuple(walk[c::num_ctas]) for c in range(num_ctas))
     return Schedule("wave", streams, {"experts_per_wave": experts_per_wave, "num_waves": -(-work.num_experts //
-                                                                                         experts_per_wave)})
+                                                                                         experts_per_wave),
+                                      "m_group": m_group})
 
 
 def wave_order_ring_slots_needed(work: RankWork, experts_per_wave: int) -> int:
@@ -282,21 +311,30 @@ def wave_order_ring_slots_needed(work: RankWork, experts_per_wave: int) -> int:
 # --- the interleaved order: Algorithm 1 --------------------------------------------------------------------
 
 
-def interleaved_scheduler(g: int, r: int, G: int, P: int, P_1: int, P_2: int,
-                          D: float) -> Iterator[tuple[str, int, int]]:
+def interleaved_scheduler(g: int, r: int, G: int, P: int, P_1: int, P_2: int, D: float,
+                          raster=None) -> Iterator[tuple[str, int, int]]:
     """Algorithm 1, procedure Scheduler(g, r), line by line: yields (kind, p, n) for the CTA of role ``r`` in
     instance ``g``; the tile is <e(p), m = p - O_e(p), n>. Both CTAs of a pair walk the same cursors, so they
-    emit the same rows with n = 2*(k mod P_i) + r. Integers only, so the kernel can mirror it exactly."""
+    emit the same rows with n = 2*(k mod P_i) + r. Integers only, so the kernel can mirror it exactly.
+
+    ``raster(k, P_i)`` -> (row, pair, first row, last row of k's row group) maps a pair cursor to its tile
+    (:meth:`RankWork.raster`); None is the paper's row-major map (k // P_i, k mod P_i, a group of one row).
+    With row groups the lead compares whole groups: L2's group may start once its last row + D <= the first
+    row of L1's group, which is line 6 when every group is one row."""
+    if raster is None:
+        def raster(k, units):
+            return k // units, k % units, k // units, k // units
     k_1 = g
     k_2 = g  # line 2
     while k_1 < P * P_1 or k_2 < P * P_2:  # line 3
-        p_1 = k_1 // P_1 if k_1 < P * P_1 else math.inf  # line 4 (+inf once L1 is done)
-        p_2 = k_2 // P_2  # line 5
+        row_1, pair_1, p_1, _ = raster(k_1, P_1) if k_1 < P * P_1 else (None, None, math.inf, None)  # line 4
+        if k_2 < P * P_2:
+            row_2, pair_2, _, p_2 = raster(k_2, P_2)  # line 5
         if k_2 < P * P_2 and p_2 + D <= p_1:  # line 6
-            yield L2, p_2, 2 * (k_2 % P_2) + r
+            yield L2, row_2, 2 * pair_2 + r
             k_2 += G  # line 7
         else:  # lines 9-11
-            yield L1, p_1, 2 * (k_1 % P_1) + r
+            yield L1, row_1, 2 * pair_1 + r
             k_1 += G
 
 
@@ -322,25 +360,31 @@ def d_knee_from_profile(shape: MoEShape, profile, k_sm: int | None = None) -> fl
     return d_knee(shape, profile.sm_count if k_sm is None else k_sm)
 
 
-def interleaved_order(work: RankWork, num_ctas: int, lead: float | None = None) -> Schedule:
+def interleaved_order(work: RankWork, num_ctas: int, lead: float | None = None, m_group: int = 1) -> Schedule:
     """The interleaved order of Algorithm 1 on a grid of ``num_ctas`` CTAs (even): G = num_ctas / 2 instances,
     CTA c = 2g + r. ``lead`` is D in rows; None takes D_knee (eq. 16) with K_SM = num_ctas. A pair slot whose
-    n is past the last N block (odd N-block count, role r = 1) is skipped, with the cursors unchanged."""
+    n is past the last N block (odd N-block count, role r = 1) is skipped, with the cursors unchanged.
+    ``m_group``: the cursors walk :meth:`RankWork.raster`'s row groups (1: Algorithm 1's row-major walk)."""
     if num_ctas <= 0 or num_ctas % 2:
         raise ScheduleError(f"the interleaved order runs CTA pairs: num_ctas must be even and > 0, got {num_ctas}")
     G = num_ctas // 2
     D = d_knee(work.shape, num_ctas) if lead is None else float(lead)
     P, P_1, P_2 = work.num_rows, work.shape.pairs_per_row(L1), work.shape.pairs_per_row(L2)
+
+    def raster(k, units):
+        return work.raster(0, k, units, m_group)
+
     streams = []
     for c in range(num_ctas):
         g, r = divmod(c, 2)
         stream = []
-        for kind, p, n in interleaved_scheduler(g, r, G, P, P_1, P_2, D):
+        for kind, p, n in interleaved_scheduler(g, r, G, P, P_1, P_2, D, raster):
             if n < work.shape.n_blocks(kind):
                 e, m = work.rows[p]
                 stream.append(Tile(kind, e, m, n))
         streams.append(tuple(stream))
-    return Schedule("interleaved", tuple(streams), {"G": G, "D": D, "P": P, "P_1": P_1, "P_2": P_2})
+    return Schedule("interleaved", tuple(streams), {"G": G, "D": D, "P": P, "P_1": P_1, "P_2": P_2,
+                                                    "m_group": m_group})
 
 
 # --- checks ------------------------------------------------------------------------------------------------

@@ -43,6 +43,32 @@ def expert_of_row(s_row_off: cute.Tensor, p: Int32, num_experts: cutlass.Constex
 
 
 @cute.jit
+def raster(s_row_off: cute.Tensor, first_row: Int32, j: Int32, units, m_group: Int32,
+           num_experts: cutlass.Constexpr):
+    """schedule.RankWork.raster: the ``j``-th (row, unit) from ``first_row`` on in row groups of ``m_group``
+    M blocks per expert, rows fastest within a group; returns (row, unit, group's first row, its last row).
+    ``m_group == 1`` skips the expert search (the row-major walk)."""
+    q = first_row + j // units
+    p = q
+    u = j % units
+    first = q
+    last = q
+    if m_group > 1:
+        e = expert_of_row(s_row_off, q, num_experts)
+        start = s_row_off[e]
+        blocks = s_row_off[e + 1] - start
+        local = j - (start - first_row) * units
+        k = local // (m_group * units)
+        group_rows = cutlass.min(m_group, blocks - k * m_group)
+        t = local - k * m_group * units
+        first = start + k * m_group
+        p = first + t % group_rows
+        u = t // group_rows
+        last = first + group_rows - 1
+    return p, u, first, last
+
+
+@cute.jit
 def wave_rows(s_row_off: cute.Tensor, w: Int32, experts_per_wave: Int32, num_experts: cutlass.Constexpr):
     """(first row, row count) of wave ``w`` (schedule.wave_rows)."""
     first = w * experts_per_wave
@@ -53,11 +79,12 @@ def wave_rows(s_row_off: cute.Tensor, w: Int32, experts_per_wave: Int32, num_exp
 
 @cute.jit
 def next_tile(order: Int32, cursor, s_row_off: cute.Tensor, num_rows: Int32, experts_per_wave: Int32,
-              lead: Int32, bidx: Int32, grid: Int32, n1: cutlass.Constexpr, n2: cutlass.Constexpr,
-              num_experts: cutlass.Constexpr):
+              lead: Int32, m_group: Int32, bidx: Int32, grid: Int32, n1: cutlass.Constexpr,
+              n2: cutlass.Constexpr, num_experts: cutlass.Constexpr):
     """The CTA's next tile after ``cursor``: returns (found, kind, p, n, cursor'). ``order``: WAVE or
     INTERLEAVED (a run-time choice of the same kernel). ``lead``: Algorithm 1's D as whole rows (ceil(D): the
-    rows are integers, so p_2 + D <= p_1 iff p_2 + ceil(D) <= p_1)."""
+    rows are integers, so p_2 + D <= p_1 iff p_2 + ceil(D) <= p_1). ``m_group``: the row groups of
+    :func:`raster`."""
     a, b, c, d = cursor
     found = Int32(0)
     kind = Int32(0)
@@ -73,12 +100,10 @@ def next_tile(order: Int32, cursor, s_row_off: cute.Tensor, num_rows: Int32, exp
             if j < nr * (n1 + n2):
                 if j < c1:
                     kind = Int32(KIND_L1)
-                    p = r0 + j // n1
-                    n = j % n1
+                    p, n, _, _ = raster(s_row_off, r0, j, n1, m_group, num_experts)
                 else:
                     kind = Int32(KIND_L2)
-                    p = r0 + (j - c1) // n2
-                    n = (j - c1) % n2
+                    p, n, _, _ = raster(s_row_off, r0, j - c1, n2, m_group, num_experts)
                 found = Int32(1)
                 searching = Int32(0)
                 a = a + grid
@@ -94,22 +119,22 @@ def next_tile(order: Int32, cursor, s_row_off: cute.Tensor, num_rows: Int32, exp
         end2 = num_rows * P2
         searching = Int32(1)
         while searching != 0 and (a < end1 or b < end2):
-            p1 = a // P1
+            row1, pair1, p1, _ = raster(s_row_off, Int32(0), cutlass.min(a, end1 - 1), P1, m_group, num_experts)
             if a >= end1:
                 p1 = num_rows + lead + 1  # +inf: every L2 row qualifies
-            p2 = b // P2
+            row2, pair2, _, p2 = raster(s_row_off, Int32(0), cutlass.min(b, end2 - 1), P2, m_group, num_experts)
             if b < end2 and p2 + lead <= p1:
                 kind = Int32(KIND_L2)
-                p = p2
-                n = 2 * (b % P2) + r
+                p = row2
+                n = 2 * pair2 + r
                 b = b + G
                 if n < n2:
                     found = Int32(1)
                     searching = Int32(0)
             else:
                 kind = Int32(KIND_L1)
-                p = p1
-                n = 2 * (a % P1) + r
+                p = row1
+                n = 2 * pair1 + r
                 a = a + G
                 if n < n1:
                     found = Int32(1)
@@ -136,4 +161,4 @@ def lead_rows(lead: float) -> int:
 
 
 __all__ = ["WAVE", "INTERLEAVED", "ORDERS", "KIND_L1", "KIND_L2", "expert_of_row", "next_tile",
-           "initial_cursor", "lead_rows"]
+           "initial_cursor", "lead_rows", "raster"]

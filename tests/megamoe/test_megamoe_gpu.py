@@ -86,6 +86,13 @@ def test_world1_matches_reference_both_schedules_bit_equal(seed, tokens, num_exp
         ys.setdefault(schedule, []).append(y)
     assert torch.equal(ys["wave"][0], ys["interleaved"][0]), f"the two schedules differ (seed={seed})"
     assert torch.equal(ys["wave"][0], ys["wave"][1]), f"a second launch differs (seed={seed})"
+    for m_group in (2, 4):  # row groups change only the order in which tiles run, never a tile's arithmetic
+        moe.m_group = m_group
+        for schedule in ("wave", "interleaved"):
+            y = torch.full_like(x, float("nan"))
+            moe.launch(x, idx, w, y, schedule)
+            moe.check_errors()
+            assert torch.equal(y, ys["wave"][0]), f"m_group={m_group} {schedule} differs (seed={seed})"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -107,13 +114,16 @@ def test_emulated_ranks_match_reference(seed, world):
                 _close(y, _reference(x, idx, w, w1, w2), f"rank {r}/{world} {schedule} seed={seed}")
 
 
+@pytest.mark.parametrize("m_group", [1, 2, 3])
 @pytest.mark.parametrize("schedule", ["wave", "interleaved"])
-def test_instrumented_tile_order_is_the_schedule(seed, schedule):
-    """The kernel's per-CTA tile order (its records) is megamoe.schedule's stream, tile for tile."""
+def test_instrumented_tile_order_is_the_schedule(seed, schedule, m_group):
+    """The kernel's per-CTA tile order (its records) is megamoe.schedule's stream, tile for tile, for row groups
+    of 1, 2 and 3 M blocks (3 leaves partial groups: the skewed experts have 1 to 9 M blocks)."""
     from megamoe import schedule as sched
 
     num_experts, top_k, tokens = 8, 2, 1500
     moe = _layer(num_experts, top_k, tokens, instrument=True)
+    moe.m_group = m_group
     w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
     x, idx, w = _inputs(tokens, num_experts, top_k, "skewed", seed, SMALL["hidden"])
@@ -123,9 +133,10 @@ def test_instrumented_tile_order_is_the_schedule(seed, schedule):
     counts = torch.bincount(idx.flatten().long(), minlength=num_experts).tolist()
     work = sched.RankWork(moe.shape, tuple(counts))
     if schedule == "wave":
-        want = sched.expert_wave_order(work, moe.grid, moe.experts_per_wave(tokens))
+        want = sched.expert_wave_order(work, moe.grid, moe.experts_per_wave(tokens), m_group=m_group)
     else:
-        want = sched.interleaved_order(work, moe.grid, moe.lead_rows)
+        want = sched.interleaved_order(work, moe.grid, moe.lead_rows, m_group=m_group)
+    assert want.params["m_group"] == m_group
     dump = moe.last_dump()
     kinds = {1: sched.L1, 2: sched.L2}
     got = [[] for _ in range(moe.grid)]

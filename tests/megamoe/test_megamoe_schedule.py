@@ -177,7 +177,7 @@ def test_wave_size_heuristic():
     with pytest.raises(ScheduleError):
         expert_wave_size(8, 10, 4, 128, 0)
     work = RankWork(SHAPE, (300, 0, 129, 1, 128))  # mean 111.6 -> 1 M block x 4 tiles; 2 x 6 CTAs -> 3 -> 5
-    assert expert_wave_order(work, 6).params == {"experts_per_wave": 5, "num_waves": 1}
+    assert expert_wave_order(work, 6).params == {"experts_per_wave": 5, "num_waves": 1, "m_group": 1}
 
 
 def test_d_knee_eq16_by_hand():
