@@ -43,10 +43,12 @@ def expert_of_row(s_row_off: cute.Tensor, p: Int32, num_experts: cutlass.Constex
 
 
 @cute.jit
-def raster(s_row_off: cute.Tensor, first_row: Int32, j: Int32, units, m_group: Int32,
-           num_experts: cutlass.Constexpr):
+def raster(s_row_off: cute.Tensor, first_row: Int32, j: Int32, units, m_group: Int32, index: Int32,
+           stride: Int32, num_experts: cutlass.Constexpr):
     """schedule.RankWork.raster: the ``j``-th (row, unit) from ``first_row`` on in row groups of ``m_group``
-    M blocks per expert, rows fastest within a group; returns (row, unit, group's first row, its last row).
+    M blocks per expert, rows fastest within a group, each unit's rotated by its round (``index``: the list
+    index of entry ``j``; ``stride``: a CTA's step through the list); returns (row, unit, group's
+    first row, its last row).
     ``m_group == 1`` skips the expert search (the row-major walk)."""
     q = first_row + j // units
     p = q
@@ -62,7 +64,8 @@ def raster(s_row_off: cute.Tensor, first_row: Int32, j: Int32, units, m_group: I
         group_rows = cutlass.min(m_group, blocks - k * m_group)
         t = local - k * m_group * units
         first = start + k * m_group
-        p = first + t % group_rows
+        turn = (index - t % group_rows) // stride
+        p = first + (t + turn) % group_rows
         u = t // group_rows
         last = first + group_rows - 1
     return p, u, first, last
@@ -100,10 +103,10 @@ def next_tile(order: Int32, cursor, s_row_off: cute.Tensor, num_rows: Int32, exp
             if j < nr * (n1 + n2):
                 if j < c1:
                     kind = Int32(KIND_L1)
-                    p, n, _, _ = raster(s_row_off, r0, j, n1, m_group, num_experts)
+                    p, n, _, _ = raster(s_row_off, r0, j, n1, m_group, a, grid, num_experts)
                 else:
                     kind = Int32(KIND_L2)
-                    p, n, _, _ = raster(s_row_off, r0, j - c1, n2, m_group, num_experts)
+                    p, n, _, _ = raster(s_row_off, r0, j - c1, n2, m_group, a, grid, num_experts)
                 found = Int32(1)
                 searching = Int32(0)
                 a = a + grid
@@ -119,10 +122,12 @@ def next_tile(order: Int32, cursor, s_row_off: cute.Tensor, num_rows: Int32, exp
         end2 = num_rows * P2
         searching = Int32(1)
         while searching != 0 and (a < end1 or b < end2):
-            row1, pair1, p1, _ = raster(s_row_off, Int32(0), cutlass.min(a, end1 - 1), P1, m_group, num_experts)
+            row1, pair1, p1, _ = raster(s_row_off, Int32(0), cutlass.min(a, end1 - 1), P1, m_group, a, G,
+                                        num_experts)
             if a >= end1:
                 p1 = num_rows + lead + 1  # +inf: every L2 row qualifies
-            row2, pair2, _, p2 = raster(s_row_off, Int32(0), cutlass.min(b, end2 - 1), P2, m_group, num_experts)
+            row2, pair2, _, p2 = raster(s_row_off, Int32(0), cutlass.min(b, end2 - 1), P2, m_group, b, G,
+                                        num_experts)
             if b < end2 and p2 + lead <= p1:
                 kind = Int32(KIND_L2)
                 p = row2
