@@ -180,7 +180,7 @@ class MegaMoE:
         self.shape = sched.MoEShape(hidden, intermediate)
         self.lead = sched.d_lead(self.shape, self.grid) if lead is None else float(lead)
         self.lead_rows = ts.lead_rows(self.lead)
-        self.m_group = 1  # schedule.RankWork.raster's row groups (1: row-major)
+        self.m_group = sched.row_group_size(self.precision)  # the walk's row groups (RankWork.raster)
         self.state = _RankState(hidden, intermediate, top_k, self.num_local, self.world, max_tokens_per_rank,
                                 self.grid, self.device, group if _rank_world is None else None, self.fp8)
         self.peer_ptrs = None

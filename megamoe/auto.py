@@ -73,9 +73,11 @@ def predicted_makespans(hidden: int, intermediate: int, num_experts: int, top_k:
     lead = math.ceil(sched.d_lead(shape, grid))
     if work.num_rows == 0:
         return {"wave": 0.0, "interleaved": 0.0}
-    return {"wave": sim.simulate(work, sched.expert_wave_order(work, grid, epw), costs, profile, 1).makespan_us,
-            "interleaved": sim.simulate(work, sched.interleaved_order(work, grid, lead), costs, profile,
-                                        1).makespan_us}
+    groups = sched.row_group_size(precision)  # the walk the kernel runs
+    return {"wave": sim.simulate(work, sched.expert_wave_order(work, grid, epw, m_group=groups), costs, profile,
+                                 1).makespan_us,
+            "interleaved": sim.simulate(work, sched.interleaved_order(work, grid, lead, m_group=groups), costs,
+                                        profile, 1).makespan_us}
 
 
 def tie_break(precision: str, world: int) -> str:
