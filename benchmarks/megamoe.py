@@ -58,7 +58,8 @@ PRESETS = {p.name: p for p in (Preset("dsv4-flash", 4096, 2048, 256, 6),  # Deep
 DEFAULT_SHAPES = ("dsv4-flash", "qwen3-moe", "dit-moe")  # this bench's default; --matrix runs all seven
 ROUTINGS = ("balanced", "skewed", "one_expert")  # megamoe.reference.ROUTING_MODES (a test keeps them equal)
 SCHEDULES = ("wave", "interleaved")
-DTYPES = ("bf16", "fp8")
+DTYPES = ("bf16", "fp8", "w4a8")
+UNFUSED_DTYPES = ("bf16", "fp8")  # W4A8 has no unfused path on Hopper (no FP4 grouped GEMM): it is judged against fp8's
 # What each precision name passes to MegaMoE(dtype=...), tried in order until the constructor accepts one (a
 # name that is a torch attribute becomes that torch dtype): a precision the API does not build yet is then a
 # skipped column with the constructor's reasons, and runs untouched once the API accepts it.
@@ -66,7 +67,7 @@ API_DTYPES = {"bf16": ("bfloat16",), "fp8": ("float8_e4m3fn", "w8a8"), "w8a8": (
               "w4a8": ("w4a8",)}
 FP8_H_BLOCK = 64  # the W8A8 kernel re-quantizes h in 1 x 64 runs before Linear-2 (megamoe.api at 0b9ce82)
 COLUMNS = ("unfused_bf16", "unfused_fp8", *(f"ours_{d}_{s}" for d in DTYPES for s in SCHEDULES),
-           *(f"unfused_nccl_{d}" for d in DTYPES))
+           *(f"unfused_nccl_{d}" for d in UNFUSED_DTYPES))
 WORLDS = (1, 2, 4, 8)
 NEEDS_REAL = "needs real ranks (--ranks real, P GPUs): this row is {mode}"
 DEFAULT_OUT = "benchmarks/results/h200/megamoe.json"
@@ -280,14 +281,14 @@ def column_calls(x, idx, wts, w1, w2, fp8w, fp8_why: str | None, ours: dict, wan
             m = ours.get(d, "not built")
             cols[f"ours_{d}_{s}"] = ({"skipped": m} if isinstance(m, str)
                                      else (lambda m=m, s=s: m.forward(x, idx, wts, schedule=s)))
-    for d in DTYPES:
+    for d in UNFUSED_DTYPES:
         cols[f"unfused_nccl_{d}"] = {"skipped": NEEDS_REAL.format(mode=mode)}
     return {n: (c if n in wanted or "unfused_nccl" in n else {"skipped": "left out by --columns"})
             for n, c in cols.items()}
 
 
 def column_dtype(name: str) -> str:
-    return "fp8" if "fp8" in name else "bf16"
+    return "w4a8" if "w4a8" in name else "fp8" if "fp8" in name else "bf16"
 
 
 def derive(row: dict) -> None:
@@ -296,7 +297,8 @@ def derive(row: dict) -> None:
     cols = row["columns"]
     row["baseline"] = {}
     for d in DTYPES:
-        name = next((n for n in (f"unfused_nccl_{d}", f"unfused_{d}") if "us" in cols.get(n, {})), None)
+        u = "fp8" if d == "w4a8" else d
+        name = next((n for n in (f"unfused_nccl_{u}", f"unfused_{u}") if "us" in cols.get(n, {})), None)
         row["baseline"][d] = name
         base = cols[name]["us"] if name else None
         for s in SCHEDULES:
@@ -393,11 +395,15 @@ def new_result(args, command: str, ceilings: dict, api, fp8_why) -> dict:
 
 
 def reference_output(key: str, x, idx, wts, w1, w2):
-    """(the reference, what it is) of the bf16 columns (``key`` "bf16") or of ours_fp8 ("fp8")."""
+    """(the reference, what it is) of the bf16 columns (``key`` "bf16"), of ours_fp8 ("fp8") or of ours_w4a8
+    ("w4a8")."""
     import torch
 
-    from megamoe.reference import reference_moe, reference_moe_fp8
+    from megamoe.reference import reference_moe, reference_moe_fp8, reference_moe_w4a8
 
+    if key == "w4a8":
+        return (reference_moe_w4a8(x, idx, wts, w1, w2, l2_block=FP8_H_BLOCK, combine_dtype=torch.bfloat16),
+                "fp32, the same W4A8 weight recipe and FP8 activations")
     if key == "fp8":
         return (reference_moe_fp8(x, idx, wts, w1, w2, l2_block=FP8_H_BLOCK, combine_dtype=torch.bfloat16),
                 "fp32, the same FP8 quantization")
@@ -431,7 +437,7 @@ def measure_row(ctx, preset: Preset, world: int, tokens: int, routing: str, weig
     refs = {}
 
     def reference(name):  # each computed once per row, for the columns that run
-        key = "fp8" if name.startswith("ours_fp8") else "bf16"
+        key = {"ours_fp8": "fp8", "ours_w4a8": "w4a8"}.get(name.rsplit("_", 1)[0], "bf16")
         if key not in refs:
             refs[key] = reference_output(key, x, idx, wts, w1, w2)
         return refs[key][0], refs[key][1] + (" (unquantized: this column's row-wise FP8 is not applied)"
@@ -596,7 +602,8 @@ def summary_line(row: dict) -> str:
     roof = row["roofline"]
     mode = " real" if row.get("ranks") == "real" else ""
     return (f"{row['shape']} P={row['world']}{mode} T={row['tokens_per_rank']} {row['routing']}: "
-            f"roofline bf16 {roof['bf16']['seconds'] * 1e6:.0f} µs / fp8 {roof['fp8']['seconds'] * 1e6:.0f} µs; "
+            f"roofline bf16 {roof['bf16']['seconds'] * 1e6:.0f} µs / fp8 {roof['fp8']['seconds'] * 1e6:.0f} µs"
+            + (f" / w4a8 {roof['w4a8']['seconds'] * 1e6:.0f} µs" if "w4a8" in roof else "") + "; "
             + "; ".join(cells))
 
 
@@ -621,7 +628,9 @@ def plot(result: dict, path: str) -> None:
         for j, c in enumerate(names):
             ax.bar(xs - 0.4 + (j + 0.5) * width, [r["columns"][c].get("tflops", 0.0) for r in mine], width, label=c)
         top = 1.0
-        for d, marker in (("bf16", "_"), ("fp8", "x")):
+        for d, marker in (("bf16", "_"), ("fp8", "x"), ("w4a8", "+")):
+            if not all(d in r["roofline"] for r in mine):
+                continue
             roof = [r["flops"] / r["roofline"][d]["seconds"] / 1e12 for r in mine]
             ax.scatter(xs, roof, marker=marker, color="k", s=200, zorder=3, label=f"roofline {d}")
             top = max([top, *roof])

@@ -370,7 +370,7 @@ def build_nccl(group, w1, w2, columns, fp8_why) -> dict:
     from benchmarks.moe_nccl import NcclEPMoE
 
     out = {}
-    for d in mb.DTYPES:
+    for d in mb.UNFUSED_DTYPES:
         if f"unfused_nccl_{d}" not in columns:
             out[d] = "left out by --columns"
         elif d == "fp8" and fp8_why:
@@ -420,7 +420,7 @@ def measure_row(ctx, preset, tokens: int, routing: str, weights, nccl: dict, our
     refs = {}
 
     def reference(name):
-        key = "fp8" if name.startswith("ours_fp8") else "bf16"
+        key = {"ours_fp8": "fp8", "ours_w4a8": "w4a8"}.get(name.rsplit("_", 1)[0], "bf16")
         if key not in refs:
             refs[key] = mb.reference_output(key, x, idx, wts, w1, w2)
         return refs[key][0], refs[key][1] + (" (unquantized: this column's row-wise FP8 is not applied)"

@@ -266,9 +266,8 @@ def reference_for(precision: str, x, idx, wts, w1, w2):
     if precision == "w8a8":
         return (ref.reference_moe_fp8(x, idx, wts, w1, w2, l2_block=mb.FP8_H_BLOCK, combine_dtype=torch.bfloat16),
                 f"fp32, the same W8A8 quantization (h in 1x{mb.FP8_H_BLOCK} runs)")
-    if not hasattr(ref, "reference_moe_w4a8"):
-        return None, "no megamoe.reference.reference_moe_w4a8 yet: only the output's finiteness is checked"
-    return ref.reference_moe_w4a8(x, idx, wts, w1, w2, combine_dtype=torch.bfloat16), "fp32, the same W4A8 recipe"
+    return (ref.reference_moe_w4a8(x, idx, wts, w1, w2, l2_block=mb.FP8_H_BLOCK, combine_dtype=torch.bfloat16),
+            f"fp32, the same W4A8 recipe (h in 1x{mb.FP8_H_BLOCK} runs)")
 
 
 def describe(cfg: Config) -> dict:

@@ -13,7 +13,9 @@ capturing: the expert-id range check then runs in the kernel, which records it i
 
 Weights layout (``load_weights``): this rank's experts, W1 as (E_local * 2I, H) whose 128-row block n holds
 gate rows [64n, 64n + 64) then up rows [64n, 64n + 64) (an L1 tile's SwiGLU pairs stay in one thread), W2 as
-(E_local * H, I).
+(E_local * H, I). W8A8: e4m3 in that layout with fp32 128 x 128 block scales of the original layout. W4A8
+(``dtype="w4a8"``): E2M1 codes packed two per byte in that layout, each 128 x 128 block's scale 2^e_max and
+each 32-run's shift below it (``w4a8_kernel_weights``).
 
 Emulated ranks (``EmulatedMoE``): P ranks on one GPU, each a launch over SMs / P CTAs on its own stream,
 with pointer tables into each other's buffers: the cross-rank protocol without a second GPU.
@@ -32,16 +34,20 @@ TIMEOUT_NS = 2_000_000_000
 _KERNELS: dict = {}
 
 
-PRECISIONS = {torch.bfloat16: "bf16", "bf16": "bf16", torch.float8_e4m3fn: "w8a8", "w8a8": "w8a8", "fp8": "w8a8"}
+PRECISIONS = {torch.bfloat16: "bf16", "bf16": "bf16", torch.float8_e4m3fn: "w8a8", "w8a8": "w8a8", "fp8": "w8a8",
+              "w4a8": "w4a8"}
+if hasattr(torch, "float4_e2m1fn_x2"):
+    PRECISIONS[torch.float4_e2m1fn_x2] = "w4a8"
 
 
 def precision_of(dtype) -> str:
-    """The kernel precision a ``dtype`` names: bf16, or W8A8 (torch.float8_e4m3fn, "w8a8" or "fp8")."""
+    """The kernel precision a ``dtype`` names: bf16, W8A8 (torch.float8_e4m3fn, "w8a8" or "fp8") or W4A8
+    (E2M1 weights with UE8M0 scales per 32, activations as W8A8: "w4a8" or torch.float4_e2m1fn_x2)."""
     try:
         return PRECISIONS[dtype]
     except (KeyError, TypeError):
-        raise ValueError(f"dtype {dtype!r} is not supported: use torch.bfloat16 or torch.float8_e4m3fn (W8A8); "
-                         "W4A8 is not built yet") from None
+        raise ValueError(f"dtype {dtype!r} is not supported: use torch.bfloat16, torch.float8_e4m3fn (W8A8) or "
+                         "\"w4a8\"") from None
 
 
 def _compiled(hidden, intermediate, top_k, num_local, instrument, precision="bf16"):
@@ -135,16 +141,55 @@ def peer_table(states: list[_RankState], device) -> torch.Tensor:
                         dtype=torch.int64, device=device)
 
 
+def interleave_gate_up(l1: torch.Tensor) -> torch.Tensor:
+    """(E, 2I, C) gate rows then up rows -> (E * 2I, C) whose 128-row block n holds gate rows [64n, 64n + 64)
+    then up rows [64n, 64n + 64), for any per-row payload C (weights, packed codes, scale runs)."""
+    e, two_i, c = l1.shape
+    i = two_i // 2
+    gate = l1[:, :i].reshape(e, i // 64, 64, c)
+    up = l1[:, i:].reshape(e, i // 64, 64, c)
+    return torch.stack((gate, up), dim=2).reshape(e * two_i, c).contiguous()
+
+
 def transform_weights(w1: torch.Tensor, w2: torch.Tensor, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's layout of experts ``experts`` (module docstring)."""
-    _, two_i, H = w1.shape
-    I = two_i // 2
-    l1 = w1[experts.start:experts.stop]
-    gate = l1[:, :I].reshape(len(experts), I // 64, 64, H)
-    up = l1[:, I:].reshape(len(experts), I // 64, 64, H)
-    w1t = torch.stack((gate, up), dim=2).reshape(len(experts) * two_i, H).contiguous()
-    w2t = w2[experts.start:experts.stop].reshape(len(experts) * H, I).contiguous()
-    return w1t, w2t
+    w1t = interleave_gate_up(w1[experts.start:experts.stop])
+    w2t = w2[experts.start:experts.stop]
+    return w1t, w2t.reshape(-1, w2t.shape[-1]).contiguous()
+
+
+def w4a8_shift_blocks(shift: torch.Tensor) -> torch.Tensor:
+    """W4A8 run shifts (rows, K/32) in the kernel's order -> (rows/128, K/128 * 256) uint16: each 128 x 128
+    block's 512 bytes together (row-major 128 rows x 4 runs, one TMA box per pipeline stage), clamped to
+    megamoe.reference.W4A8_SHIFT_MAX."""
+    from megamoe.reference import W4A8_SHIFT_MAX
+
+    rows, runs = shift.shape
+    d = shift.clamp(0, W4A8_SHIFT_MAX).to(torch.uint8).reshape(rows // 128, 128, runs // 4, 4)
+    return d.permute(0, 2, 1, 3).contiguous().view(rows // 128, runs * 128).view(torch.uint16)
+
+
+def w4a8_kernel_weights(w: torch.Tensor, gate_up: bool, device, chunk: int = 8):
+    """W4A8 weights (E, N, K) bf16 in the kernel's layout (megamoe.reference's recipe): (the packed E2M1 codes
+    (E * N, K / 2) uint8, two per byte, the even K index low; the shift blocks (w4a8_shift_blocks); each 128 x 128
+    block's scale 2^e_max, fp32 flat (E, N / 128, K / 128): W8A8's scale slot). ``gate_up``: W1, whose rows
+    (codes and shifts) are interleaved as the other precisions'. ``chunk`` experts at a time bound the fp32
+    temporaries."""
+    from megamoe.reference import quantize_mxfp4_weights, w4a8_block_shifts
+
+    packed, shifts, scales = [], [], []
+    for e0 in range(0, w.shape[0], chunk):
+        p, ue8m0 = quantize_mxfp4_weights(w[e0:e0 + chunk].to(device))
+        d, block_scale = w4a8_block_shifts(ue8m0)
+        packed.append(p)
+        shifts.append(d)
+        scales.append(block_scale)
+    p, d = torch.cat(packed), torch.cat(shifts)
+    if gate_up:
+        p, d = interleave_gate_up(p), interleave_gate_up(d)
+    else:
+        p, d = p.reshape(-1, p.shape[-1]).contiguous(), d.reshape(-1, d.shape[-1])
+    return p, w4a8_shift_blocks(d), torch.cat(scales).contiguous().view(-1)
 
 
 class MegaMoE:
@@ -159,7 +204,7 @@ class MegaMoE:
                  max_tokens_per_rank: int = 8192, instrument: bool = False, num_sms: int | None = None,
                  device=None, _rank_world=None):
         self.precision = precision_of(dtype)
-        self.fp8 = self.precision == "w8a8"
+        self.fp8 = self.precision != "bf16"  # FP8 activations (W8A8, W4A8)
         if _rank_world is not None:
             self.rank, self.world = _rank_world
         elif group is None:
@@ -193,6 +238,11 @@ class MegaMoE:
         self.records = torch.zeros(8, dtype=torch.int64, device=self.device)
         self.w1 = self.w2 = None
         self.w1_scale = self.w2_scale = torch.zeros(1, dtype=torch.float32, device=self.device)
+        from megamoe.kernel import MegaMoEForward
+
+        # W4A8's shift blocks (load_weights); the other kernels take one unused row
+        self.w1_shift, self.w2_shift = (torch.zeros(1, MegaMoEForward.shift_cols(k), dtype=torch.uint16,
+                                                    device=self.device) for k in (hidden, intermediate))
         self.kernel = _compiled(hidden, intermediate, top_k, self.num_local, self.instrument, self.precision)
         from megamoe import ops
 
@@ -220,6 +270,9 @@ class MegaMoE:
         if not self.fp8:
             self.w1, self.w2 = (t.to(self.device) for t in transform_weights(w1, w2, self.experts))
             return
+        if self.precision == "w4a8":
+            self._load_w4a8(w1, w2)
+            return
         # W8A8: 128 x 128 block scales in the weights' own layout (megamoe.reference's recipe), then the same
         # gate/up interleave on the e4m3 bytes; the kernel reads a tile's gate and up scales separately
         from megamoe.reference import quantize_fp8_blockwise_weights
@@ -230,6 +283,11 @@ class MegaMoE:
         q1t, q2t = transform_weights(q1.view(torch.uint8), q2.view(torch.uint8), range(self.num_local))
         self.w1, self.w2 = q1t.view(torch.float8_e4m3fn), q2t.view(torch.float8_e4m3fn)
         self.w1_scale, self.w2_scale = s1.contiguous().view(-1), s2.contiguous().view(-1)
+
+    def _load_w4a8(self, w1, w2):
+        local = slice(self.experts.start, self.experts.stop)
+        self.w1, self.w1_shift, self.w1_scale = w4a8_kernel_weights(w1[local], True, self.device)
+        self.w2, self.w2_shift, self.w2_scale = w4a8_kernel_weights(w2[local], False, self.device)
 
     def check_inputs(self, x, topk_idx, topk_weights):
         if self.w1 is None:
@@ -300,7 +358,8 @@ class MegaMoE:
         self.kernel(x, topk_idx, topk_weights, self.w1, self.w2, y, st.pool, st.inter, st.pool_src, st.pool_w,
                     st.combine, st.counts, st.tok_slot, st.l1_done, st.barrier,
                     self.peer_ptrs if peer_ptrs is None else peer_ptrs, st.epoch, st.done, st.errors, self.records,
-                    st.pool_scale, st.inter_scale, self.w1_scale, self.w2_scale, self.rank, self.world, self.max_tokens, order, self.experts_per_wave(x.shape[0]),
+                    st.pool_scale, st.inter_scale, self.w1_scale, self.w2_scale, self.w1_shift, self.w2_shift,
+                    self.rank, self.world, self.max_tokens, order, self.experts_per_wave(x.shape[0]),
                     self.lead_rows, self.m_group, self.grid, TIMEOUT_NS, self.rec_cap)
 
     def forward(self, x, topk_idx, topk_weights, schedule: str | None = None) -> torch.Tensor:

@@ -51,7 +51,7 @@ L2_EPILOGUE_US = 3.4
 def tile_costs(shape: sched.MoEShape, precision: str = "bf16"):
     from megamoe.simulate import TileCosts
 
-    rate = MMA_TFLOPS_PER_SM * (2.0 if precision == "w8a8" else 1.0)
+    rate = MMA_TFLOPS_PER_SM * (1.0 if precision == "bf16" else 2.0)  # W8A8, W4A8: FP8 WGMMA
     base = TileCosts.from_throughput(shape, rate)
     return TileCosts(base.t_mma_l1_us + L1_EPILOGUE_US, base.t_mma_l2_us + L2_EPILOGUE_US)
 

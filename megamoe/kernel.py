@@ -51,25 +51,28 @@ from cute_kernels import timers
 from megamoe import tile_stream as ts
 from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
 from megamoe.fp8_mainloop import Fp8MainloopMixin
-from megamoe.phases import NUM_THREADS, WG_THREADS, DispatchCombineMixin
+from megamoe.phases import NUM_THREADS, WG_THREADS, DispatchCombineMixin, NamedBarrierMoE
+from megamoe.w4a8_dequant import SHIFT_STAGE_BYTES, SHIFT_TABLE, W4DequantMixin
 
 BLOCK_M = 128
 BLOCK_N = 128
 # one pipeline stage's K extent: 64 bf16 or 128 FP8 elements (128 bytes, one swizzle row; for FP8 also the
-# 128-wide scale block, promoted to fp32 once per stage)
-STAGE_K = {"bf16": 64, "w8a8": 128}
+# 128-wide scale block, promoted to fp32 once per stage; W4A8 converts its packed stage into that form)
+STAGE_K = {"bf16": 64, "w8a8": 128, "w4a8": 128}
 PRECISIONS = tuple(STAGE_K)
 ERR_L1_TIMEOUT = 6
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
 
 
-class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin):
+class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin, W4DequantMixin):
     """``hidden``, ``intermediate``: the layer (multiples of 128); ``top_k``; ``num_local_experts``: experts
     per rank; ``max_world``: the largest world size the launch may take (shared-memory tables);
     ``instrument``: per-tile records; ``precision``: "bf16", or "w8a8" (e4m3 weights with 128 x 128 block
     scales, activations quantized by Dispatch in 1 x 128 runs, h re-quantized by the L1 epilogue in 1 x 64
     runs, one per L1 tile, so no scale needs a cross-CTA reduction; WGMMA accumulates each 128-wide K block
-    into a fresh accumulator that is promoted into the fp32 total with its scales: DeepGEMM's recipe)."""
+    into a fresh accumulator that is promoted into the fp32 total with its scales: DeepGEMM's recipe), or
+    "w4a8" (E2M1 weights with a UE8M0 scale per 32, turned into W8A8's e4m3 blocks in shared memory per stage by
+    the MMA warpgroups, ``megamoe.w4a8_dequant``; the rest as w8a8)."""
 
     num_producer_regs = 40
     num_mma_regs = 232
@@ -89,7 +92,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         self.hidden, self.intermediate, self.top_k = hidden, intermediate, top_k
         self.num_local_experts, self.max_world, self.instrument = num_local_experts, max_world, bool(instrument)
         self.dtype = cutlass.BFloat16  # x, y, the combine rows
-        self.precision, self.fp8 = precision, precision == "w8a8"
+        self.precision, self.fp8, self.w4 = precision, precision != "bf16", precision == "w4a8"
+        # W4A8's stage also holds the packed codes (8 KiB) and their shifts: 4 stages fit beside the staging
+        self.ab_stages = 4 if self.w4 else 5
         self.ab_dtype = cutlass.Float8E4M3FN if self.fp8 else cutlass.BFloat16  # the GEMM operands
         self.bk = STAGE_K[precision]
         self.n1 = 2 * intermediate // BLOCK_N  # L1 N blocks (gate + up interleaved by 64)
@@ -103,6 +108,11 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         self.l1_arrivals = 2 * self.n1
 
     # ---------------------------------------------------------------- host
+    @staticmethod
+    def shift_cols(k: int) -> int:
+        """W4A8 shift tensors' columns for a K extent: each 128-wide K block's 512 bytes as Uint16."""
+        return (k // BLOCK_N) * (SHIFT_STAGE_BYTES // 2)
+
     def fake_args(self):
         H, I, k = self.hidden, self.intermediate, self.top_k
         bf16, ab = self.dtype, self.ab_dtype
@@ -114,11 +124,14 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             return make_fake_tensor(dtype, (cute.sym_int64(),), stride=(1,), assumed_align=align)
 
         # x, idx, weights, w1, w2, y, pool, intermediate, pool_src, pool_w, combine, counts, tok_slot, l1_done,
-        # barrier, peer_ptrs, epoch, done, errors, records, then the FP8 scales (pool, intermediate, w1, w2)
-        return (mat(bf16, H), mat(Int32, k), mat(Float32, k), mat(ab, H), mat(ab, I), mat(bf16, H),
+        # barrier, peer_ptrs, epoch, done, errors, records, then the FP8 scales (pool, intermediate, w1, w2) and
+        # W4A8's shifts (w1, w2); W4A8's w1 and w2 are the packed E2M1 codes, two per byte
+        w1, w2 = (mat(cutlass.Uint8, H // 2), mat(cutlass.Uint8, I // 2)) if self.w4 else (mat(ab, H), mat(ab, I))
+        return (mat(bf16, H), mat(Int32, k), mat(Float32, k), w1, w2, mat(bf16, H),
                 mat(ab, H), mat(ab, I), vec(Int32), vec(Float32), mat(bf16, H), vec(Int32), vec(Int32),
                 vec(Int32), vec(Int64, 8), vec(Int64, 8), vec(Int64, 8), vec(Int32), vec(Int32), vec(Int64, 8),
-                vec(Float32), vec(Float32), vec(Float32), vec(Float32), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int64(1), Int32(1))
+                vec(Float32), vec(Float32), vec(Float32), vec(Float32), mat(cutlass.Uint16, self.shift_cols(H)),
+                mat(cutlass.Uint16, self.shift_cols(I)), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int64(1), Int32(1))
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mIdx: cute.Tensor, mWgt: cute.Tensor, mW1: cute.Tensor,
@@ -126,7 +139,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                  pool_src: cute.Tensor, pool_w: cute.Tensor, mComb: cute.Tensor, counts: cute.Tensor,
                  tok_slot: cute.Tensor, l1_done: cute.Tensor, barrier: cute.Tensor, peer_ptrs: cute.Tensor,
                  epoch: cute.Tensor, done: cute.Tensor, errors: cute.Tensor, records: cute.Tensor,
-                 s_pool: cute.Tensor, s_inter: cute.Tensor, s_w1: cute.Tensor, s_w2: cute.Tensor, rank: Int32, world: Int32, max_tokens: Int32, order: Int32, experts_per_wave: Int32,
+                 s_pool: cute.Tensor, s_inter: cute.Tensor, s_w1: cute.Tensor, s_w2: cute.Tensor, mS1: cute.Tensor,
+                 mS2: cute.Tensor, rank: Int32, world: Int32, max_tokens: Int32, order: Int32, experts_per_wave: Int32,
                  lead: Int32, m_group: Int32, grid: Int32, timeout_ns: Int64, rec_cap: Int32, stream: cuda.CUstream):
         """``mX`` (T, H) this rank's tokens, ``mIdx``/``mWgt`` (T, top_k) routing; ``mW1`` (E_l * 2I, H) and
         ``mW2`` (E_l * H, I) this rank's experts (load_weights' layout); ``mY`` (T, H). Symmetric (peers write):
@@ -137,7 +151,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         INTERLEAVED; ``lead``: D in whole rows. w8a8: the operands are e4m3 and ``s_pool`` (rows x H/128,
         symmetric: Dispatch writes it), ``s_inter`` (rows x I/64), ``s_w1`` (E_l x 2I/128 x H/128, the
         weights' own layout, gate then up) and ``s_w2`` (E_l x H/128 x I/128) hold their fp32 scales; bf16
-        kernels take small unused tensors there."""
+        kernels take small unused tensors there. w4a8: ``mW1`` (E_l * 2I, H / 2) and ``mW2`` (E_l * H, I / 2) the
+        packed codes, ``mS1`` (E_l * 2I / 128, H / 128 * 256) and ``mS2`` (E_l * H / 128, I / 128 * 256) each
+        128 x 128 block's 512 shift bytes (``MegaMoE.load_weights``); other kernels take small unused ones."""
         atoms = (2, 1, 1)  # warpgroups per tile
         ab = self.ab_dtype
         mma = sm90_helpers.make_trivial_tiled_mma(
@@ -156,9 +172,19 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         one_b = cute.select(sB_layout, mode=[0, 1])
         tma_x, gX = cpasync.make_tiled_tma_atom(op, mPool, one_a, (BLOCK_M, self.bk))
         tma_h, gH = cpasync.make_tiled_tma_atom(op, mInter, one_a, (BLOCK_M, self.bk))
-        tma_w1, gW1 = cpasync.make_tiled_tma_atom(op, mW1, one_b, (BLOCK_N, self.bk))
-        tma_w2, gW2 = cpasync.make_tiled_tma_atom(op, mW2, one_b, (BLOCK_N, self.bk))
-        tx = cute.size_in_bytes(ab, one_a) + cute.size_in_bytes(ab, one_b)
+        one_s = cute.make_layout((1, SHIFT_STAGE_BYTES // 2), stride=(SHIFT_STAGE_BYTES // 2, 1))
+        tma_s1, gS1 = cpasync.make_tiled_tma_atom(op, mS1, one_s, (1, SHIFT_STAGE_BYTES // 2))
+        tma_s2, gS2 = cpasync.make_tiled_tma_atom(op, mS2, one_s, (1, SHIFT_STAGE_BYTES // 2))
+        if const_expr(self.w4):  # the packed codes, unswizzled (the MMA threads read them, not WGMMA)
+            one_p = cute.make_layout((BLOCK_N, self.bk // 2), stride=(self.bk // 2, 1))
+            tma_w1, gW1 = cpasync.make_tiled_tma_atom(op, mW1, one_p, (BLOCK_N, self.bk // 2))
+            tma_w2, gW2 = cpasync.make_tiled_tma_atom(op, mW2, one_p, (BLOCK_N, self.bk // 2))
+            tx = cute.size_in_bytes(ab, one_a) + BLOCK_N * self.bk // 2 + SHIFT_STAGE_BYTES
+        else:
+            tma_w1, gW1 = cpasync.make_tiled_tma_atom(op, mW1, one_b, (BLOCK_N, self.bk))
+            tma_w2, gW2 = cpasync.make_tiled_tma_atom(op, mW2, one_b, (BLOCK_N, self.bk))
+            tx = cute.size_in_bytes(ab, one_a) + cute.size_in_bytes(ab, one_b)
+        w4_stages = self.ab_stages if self.w4 else 1
         E = self.num_local_experts
 
         @cute.struct
@@ -170,9 +196,14 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sB_layout)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[self.dtype, BLOCK_M * STAGE_ROW], 1024]
+            # W4A8: the packed codes and shifts of each stage, and the shift table (one stage's worth otherwise)
+            sP: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK_N * self.bk // 2 * w4_stages], 1024]
+            sS: cute.struct.Align[cute.struct.MemRange[cutlass.Uint16, SHIFT_STAGE_BYTES // 2 * w4_stages], 128]
+            lut: cute.struct.Align[cute.struct.MemRange[Int32, len(SHIFT_TABLE)], 16]
 
         self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
                     peer_ptrs, epoch, done, errors, records, (s_pool, s_inter, s_w1, s_w2), gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2,
+                    gS1, gS2, tma_s1, tma_s2,
                     sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
                     experts_per_wave, lead, m_group, timeout_ns, rec_cap, SharedStorage).launch(
             grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
@@ -181,7 +212,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
     @cute.kernel
     def kernel(self, mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
                peer_ptrs, epoch, done, errors, records, scales, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
-               tma_h: cute.CopyAtom, tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, sA_layout: cute.ComposedLayout,
+               tma_h: cute.CopyAtom, tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, gS1, gS2, tma_s1: cute.CopyAtom,
+               tma_s2: cute.CopyAtom, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, sH_layout: cute.Layout,
                mma: cute.TiledMma, mma_half: cute.TiledMma, tx: cutlass.Constexpr, rank: Int32, world: Int32,
                max_tokens: Int32, order: Int32, experts_per_wave: Int32, lead: Int32, m_group: Int32, timeout_ns: Int64,
@@ -193,8 +225,13 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         if warp_idx == 0:
             for atom in (tma_x, tma_h, tma_w1, tma_w2):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.w4):
+                for atom in (tma_s1, tma_s2):
+                    cpasync.prefetch_descriptor(atom)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
+        if const_expr(self.w4):  # published by the first CTA barrier (B1), long before any mainloop
+            self.write_shift_table(storage.lut.get_tensor(cute.make_layout(len(SHIFT_TABLE))), tidx)
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_ab.data_ptr(), num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
@@ -226,8 +263,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
-                self.load(gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, storage, sA_layout, sB_layout, pipe,
-                          walk, l1_done, errors, timeout_ns)
+                self.load(gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, (gS1, gS2, tma_s1, tma_s2), storage,
+                          sA_layout, sB_layout, pipe, walk, l1_done, errors, timeout_ns)
             elif warp_idx <= 2:
                 self.store_walk(storage.sC.get_tensor(sC_layout), mInter, pool_src, peer_ptrs, records, walk, s_ntok,
                                 l1_done, world, max_tokens, rec_cap, warp_idx - 1, tidx % 32)
@@ -252,11 +289,19 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
 
     # ---------------------------------------------------------------- phase 3: the producer warp
     @cute.jit
-    def load(self, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, storage, sA_layout, sB_layout, pipe, walk,
-             l1_done, errors, timeout_ns):
-        """Per tile of the walk: (L2) wait for its row's L1 half-tiles, then its K blocks of A and B."""
+    def load(self, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, shifts, storage, sA_layout, sB_layout, pipe,
+             walk, l1_done, errors, timeout_ns):
+        """Per tile of the walk: (L2) wait for its row's L1 half-tiles, then its K blocks of A and B (W4A8: B's
+        packed codes and shifts)."""
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        gS1, gS2, tma_s1, tma_s2 = shifts
+        sS = None
+        if const_expr(self.w4):
+            S, half_k = self.ab_stages, self.bk // 2
+            sB = storage.sP.get_tensor(cute.make_layout((BLOCK_N, half_k, S), stride=(half_k, 1, BLOCK_N * half_k)))
+            w = SHIFT_STAGE_BYTES // 2
+            sS = storage.sS.get_tensor(cute.make_layout((1, w, S), stride=(w, 1, w)))
         order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
         E = self.num_local_experts
         # the pool rows arrived by generic-proxy stores (Dispatch, ordered by barrier B2); TMA reads them
@@ -268,28 +313,40 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         while found != 0:
             e = ts.expert_of_row(s_row_off, p, E)
             if kind == ts.KIND_L1:
-                state = self.load_tile(tma_x, gX, tma_w1, gW1, p, e * self.n1 + n, sA, sB, self.k1, pipe, state)
+                state = self.load_tile(tma_x, gX, tma_w1, gW1, p, e * self.n1 + n, sA, sB, self.k1, pipe, state,
+                                       (tma_s1, gS1, sS))
             else:
                 fl.wait_geq(l1_done, p, Int32(self.l1_arrivals), timeout_ns, errors, Int32(ERR_L1_TIMEOUT), bidx,
                             "gpu", 0, True)
                 # the intermediate was written by generic-proxy stores; TMA reads through the async proxy
                 cute.arch.fence_proxy("async.global")
-                state = self.load_tile(tma_h, gH, tma_w2, gW2, p, e * self.n2 + n, sA, sB, self.k2, pipe, state)
+                state = self.load_tile(tma_h, gH, tma_w2, gW2, p, e * self.n2 + n, sA, sB, self.k2, pipe, state,
+                                       (tma_s2, gS2, sS))
             found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
                                                      self.n1, self.n2, E)
         pipe.producer_tail(state)
 
     @cute.jit
-    def load_tile(self, tma_a, gA, tma_b, gB, a_block, b_block, sA, sB, n_kb: cutlass.Constexpr, pipe, state):
-        """One tile's ``n_kb`` K blocks: A's 128-row block ``a_block`` and B's ``b_block`` into the pipeline."""
+    def load_tile(self, tma_a, gA, tma_b, gB, a_block, b_block, sA, sB, n_kb: cutlass.Constexpr, pipe, state,
+                  shifts):
+        """One tile's ``n_kb`` K blocks: A's 128-row block ``a_block`` and B's ``b_block`` into the pipeline
+        (W4A8: B's packed codes and, from ``shifts``, the block's shift bytes)."""
         load_a, _, _ = copy_utils.tma_get_copy_fn(tma_a, 0, cute.make_layout(1), cute.local_tile(
             gA, (BLOCK_M, self.bk), (a_block, None)), sA)
+        b_k = self.bk // 2 if const_expr(self.w4) else self.bk
         load_b, _, _ = copy_utils.tma_get_copy_fn(tma_b, 0, cute.make_layout(1), cute.local_tile(
-            gB, (BLOCK_N, self.bk), (b_block, None)), sB)
+            gB, (BLOCK_N, b_k), (b_block, None)), sB)
+        load_s = None
+        if const_expr(self.w4):
+            tma_s, gS, sS = shifts
+            load_s, _, _ = copy_utils.tma_get_copy_fn(tma_s, 0, cute.make_layout(1), cute.local_tile(
+                gS, (1, SHIFT_STAGE_BYTES // 2), (b_block, None)), sS)
         for kb in cutlass.range(n_kb, unroll=1):
             pipe.producer_acquire(state)
             load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
             load_b(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
+            if const_expr(self.w4):
+                load_s(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
             state.advance()
         return state
 
@@ -318,11 +375,14 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         return state, t_data
 
     @cute.jit
-    def drain(self, pipe, state, n_kb):
+    def drain(self, pipe, state, n_kb, dq):
         """Release ``n_kb`` stages without reading them, each once it is full (an early release would count
-        toward the stage's previous use and let the producer overwrite it under the other warpgroup)."""
+        toward the stage's previous use and let the producer overwrite it under the other warpgroup). W4A8:
+        this warpgroup still converts its half of each stage's B block, which the other one reads."""
         for _ in cutlass.range(n_kb, unroll=1):
             pipe.consumer_wait(state)
+            if const_expr(self.w4):
+                self.dequant_stage(dq, state.index, NamedBarrierMoE.DequantFull, 2 * WG_THREADS)
             pipe.consumer_release(state)
             state.advance()
         return state
@@ -344,7 +404,12 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         wg_mma = mma.get_slice(wg * WG_THREADS)
         wg_half = mma_half.get_slice(wg * WG_THREADS)
         acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(wg_mma, (BLOCK_M, BLOCK_N, self.bk), sA, sB)
-        blks = None
+        blks, dq = None, None
+        if const_expr(self.w4):  # megamoe.w4a8_dequant: packed words, shift pairs, table, e4m3 B words, thread
+            dq = (cute.recast_ptr(storage.sP.data_ptr(), dtype=Int32),
+                  storage.sS.get_tensor(cute.make_layout(SHIFT_STAGE_BYTES // 2 * self.ab_stages)),
+                  storage.lut.get_tensor(cute.make_layout(len(SHIFT_TABLE))),
+                  cute.recast_ptr(storage.sB.data_ptr(), dtype=Int32), tidx)
         if const_expr(self.fp8):  # the two block accumulators of the W8A8 promotion units (megamoe.fp8_mainloop)
             blks = (cute.make_fragment_like(acc), cute.make_fragment_like(acc))
         arow = cute.make_rmem_tensor(cute.make_layout(cute.size(layout_utils.reshape_acc_to_mn(acc), mode=[0])),
@@ -379,7 +444,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             if s_ntok[e] - m * BLOCK_M > wg * self.wg_rows:
                 if const_expr(self.fp8):
                     state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, e, n, p,
-                                                           arow, rows_c, scales)
+                                                           arow, rows_c, scales, dq)
                 else:
                     state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
             else:
@@ -388,7 +453,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                 # to itself; that warpgroup's rows get a full tile's arithmetic, so a token's row comes out the
                 # same bits whichever tile the atomic slot order puts it in. W8A8 5-11% faster at 1024 and 8192
                 # tokens, bf16 a tie; two ways to use the idle warpgroup lost (docs/FINDINGS.md, MegaMoE)
-                state = self.drain(pipe, state, n_kb)
+                state = self.drain(pipe, state, n_kb, dq)
             if const_expr(self.instrument):
                 t_mma = cute.arch.globaltimer()
             waited = Int64(0)

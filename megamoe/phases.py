@@ -30,6 +30,7 @@ class NamedBarrierMoE(enum.IntEnum):
     StagingFull = 2  # 2, 3: warpgroup w's rows are staged (it arrives, its store warp syncs)
     StagingFree = 4  # 4, 5: the store warp has read them out (it arrives, warpgroup w syncs before restaging)
     StoresDone = 6  # the store warps' last stores are complete (they arrive, the MMA warpgroups sync before B3)
+    DequantFull = 7  # W4A8: both MMA warpgroups converted their halves of a stage's B block (megamoe.w4a8_dequant)
 
 
 class DispatchCombineMixin:

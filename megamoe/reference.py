@@ -273,19 +273,32 @@ def dequantize_mxfp4_weights(packed: torch.Tensor, scale: torch.Tensor, block: i
     return vals * torch.exp2(scale.float() - UE8M0_BIAS).repeat_interleave(block, dim=-1)
 
 
+W4A8_SHIFT_MAX = 13  # from a shift of 13 on, every E2M1 value times 2^-shift rounds to e4m3 zero
+
+
+def w4a8_block_shifts(scale: torch.Tensor, block: int = FP8_BLOCK,
+                      fp4_block: int = FP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """For UE8M0 scales (..., N, K/fp4_block): (each run's shift d = e_max - e32 >= 0 below its 128 x 128 block's
+    largest exponent, as float (..., N, K/fp4_block), and the block scales 2^e_max, fp32 (..., N/block, K/block)).
+    The kernel stores d clamped to W4A8_SHIFT_MAX (``MegaMoE.load_weights``): the same e4m3 values."""
+    n, runs = scale.shape[-2], scale.shape[-1]
+    lead = scale.shape[:-2]
+    nb, kb = _blocks(n, block, "N"), _blocks(runs * fp4_block, block, "K")
+    e32 = scale.float() - UE8M0_BIAS
+    e_max = e32.reshape(*lead, nb, block, kb, block // fp4_block).amax(dim=(-3, -1))  # (..., N/block, K/block)
+    full = e_max.repeat_interleave(block, dim=-2).repeat_interleave(block // fp4_block, dim=-1)
+    return full - e32, torch.exp2(e_max)
+
+
 def w4a8_fp8_weights(packed: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
                      fp4_block: int = FP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's shared-memory conversion of one matrix of W4A8 weights (N, K) into W8A8's form: (e4m3 (N, K), fp32 block
     scales (N/block, K/block)), each block's scale 2^e_max of its largest UE8M0 exponent and each value times
     2^(e32 - e_max) rounded to e4m3 (exact for shifts >= -8, see above)."""
-    n, k = packed.shape[-2], 2 * packed.shape[-1]
-    nb, kb = _blocks(n, block, "N"), _blocks(k, block, "K")
-    e32 = scale.float() - UE8M0_BIAS  # (N, K/fp4_block)
-    e_max = e32.reshape(nb, block, kb, block // fp4_block).amax(dim=(1, 3))  # (N/block, K/block)
-    shift = e32 - e_max.repeat_interleave(block, dim=0).repeat_interleave(block // fp4_block, dim=1)
+    shift, block_scale = w4a8_block_shifts(scale, block, fp4_block)
     unit = dequantize_mxfp4_weights(packed, torch.full_like(scale, UE8M0_BIAS), fp4_block)  # E2M1 values
-    q = (unit * torch.exp2(shift).repeat_interleave(fp4_block, dim=-1)).to(FP8_DTYPE)
-    return q, torch.exp2(e_max)
+    q = (unit * torch.exp2(-shift).repeat_interleave(fp4_block, dim=-1)).to(FP8_DTYPE)
+    return q, block_scale
 
 
 def _w4a8_weight(w, e: int, dtype) -> torch.Tensor:

@@ -45,7 +45,8 @@ def test_defaults_and_presets():
     assert bench.PRESETS["dit-moe"] == bench.Preset("dit-moe", 1152, 4608, 8, 2)
     assert bench.ROUTINGS == ROUTING_MODES
     assert bench.COLUMNS == ("unfused_bf16", "unfused_fp8", "ours_bf16_wave", "ours_bf16_interleaved",
-                             "ours_fp8_wave", "ours_fp8_interleaved", "unfused_nccl_bf16", "unfused_nccl_fp8")
+                             "ours_fp8_wave", "ours_fp8_interleaved", "ours_w4a8_wave", "ours_w4a8_interleaved",
+                             "unfused_nccl_bf16", "unfused_nccl_fp8")
     assert args.ranks is None  # resolved at run time (benchmarks.megamoe_ep.rank_modes)
 
 
@@ -212,7 +213,7 @@ def test_whole_run_schema(tmp_path):
         assert r["tokens"] == r["world"] * r["tokens_per_rank"] and r["rows"] == r["tokens"] * 2
         if r["routing"] == "one_expert":
             assert r["experts_touched"] == 2 and r["max_rows_per_expert"] == r["tokens"]
-        assert set(r["roofline"]) == {"bf16", "fp8"} and r["flops"] == r["roofline"]["fp8"]["flops"]
+        assert set(r["roofline"]) == {"bf16", "fp8", "w4a8"} and r["flops"] == r["roofline"]["fp8"]["flops"]
         assert list(r["columns"]) == list(bench.COLUMNS), "every column is recorded"
         for name in ("unfused_bf16", "ours_bf16_wave", "ours_bf16_interleaved"):
             c = r["columns"][name]
@@ -222,7 +223,7 @@ def test_whole_run_schema(tmp_path):
             assert c["roofline_efficiency"] == pytest.approx(r["roofline"]["bf16"]["seconds"] * 1e6 / c["us"])
             assert c["error"]["finite"] and c["error"]["max_rel"] < 2e-2, (name, c["error"])
         assert r["columns"]["ours_bf16_wave"]["speedup_vs_unfused"] == pytest.approx(100.0 / 120.0)
-        assert r["interleaved_over_wave"] == {"bf16": pytest.approx(130.0 / 120.0), "fp8": None}
+        assert r["interleaved_over_wave"] == {"bf16": pytest.approx(130.0 / 120.0), "fp8": None, "w4a8": None}
         assert "CUDA" in r["columns"]["unfused_fp8"]["skipped"]
         for name in ("ours_fp8_wave", "ours_fp8_interleaved"):
             assert r["columns"][name] == {

@@ -111,14 +111,52 @@ def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, inst
     no_spills(c.ptx)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_w4a8_kernel_converts_in_shared_memory_then_runs_the_w8a8_mainloop(tmp_path, shape, no_spills):
+    """W4A8: the W8A8 mainloop's e4m3 WGMMAs, unserialized, each stage's B block converted first (one block
+    ahead): 32 byte permutes a thread (8 words of E2M1 codes through its runs' tables), shared loads of the
+    codes, 128-bit stores of the e4m3 bytes, the async-proxy fence, and the named barrier both MMA warpgroups
+    pass (256 threads); no spills."""
+    from cutlass.runtime import make_fake_stream
+
+    from cute_kernels.compile import compile_kernel, sass
+    from megamoe.fp8_mainloop import FP8_GROUP
+    from megamoe.kernel import MegaMoEForward
+    from megamoe.phases import NamedBarrierMoE
+
+    k = MegaMoEForward(*shape, precision="w4a8")
+    c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
+    k1, k2 = shape[0] // 128, shape[1] // 128
+    n_wgmma = 8 * FP8_GROUP + 4 * bool(k1 % FP8_GROUP) + 4 * bool(k2 % FP8_GROUP)
+    assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == n_wgmma
+    # one conversion per block issued in the mainloop's straight-line groups (the blocks whose WGMMAs the
+    # count above holds) and one in the drain
+    n_conv = n_wgmma // 4 + 1
+    assert c.ptx_count(r"prmt\.b32") >= 16 * n_conv
+    # per conversion: 4 loads of 16 codes and 2 of the runs' tables (64-bit each), 4 stores of 16 e4m3 bytes
+    # (each chunk's two 8-byte stores merged)
+    assert c.ptx_count(r"ld\.shared\.v2\.(b|u)32") >= 6 * n_conv
+    assert c.ptx_count(r"st\.shared\.v4\.(b|u)32") >= 4 * n_conv
+    assert c.ptx_count(r"fence\.proxy\.async\.shared::cta") >= n_conv
+    assert c.ptx_count(rf"bar\.sync\s+{int(NamedBarrierMoE.DequantFull)},\s*256") >= n_conv
+    text = sass(c.cubin)
+    if text is None:
+        pytest.skip("no nvdisasm on this machine (it comes with triton): cannot read the SASS")
+    assert text.count("QGMMA.64x128x32.F32.E4M3.E4M3") == n_wgmma, "FP8 WGMMA in the SASS"
+    assert text.count("WARPGROUP.DEPBAR") < text.count("QGMMA.64x128x32.F32.E4M3.E4M3"), "WGMMA serialized"
+    assert text.count("STS.128") >= 4 * n_conv and text.count("PRMT") >= 16 * n_conv
+    no_spills(c.ptx)
+
+
 def test_peer_table_rows_agree():
     from megamoe.api import _RankState, precision_of
     from megamoe.phases import PEER_KINDS
 
     assert _RankState.SYMMETRIC == PEER_KINDS
     assert precision_of(torch.bfloat16) == "bf16" and precision_of(torch.float8_e4m3fn) == "w8a8"
-    with pytest.raises(ValueError, match="W4A8 is not built"):
-        precision_of("w4a8")
+    assert precision_of("w4a8") == "w4a8"
+    with pytest.raises(ValueError, match="not supported"):
+        precision_of(torch.float16)
 
 
 def test_constructor_refusals():

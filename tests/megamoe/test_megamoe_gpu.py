@@ -5,7 +5,8 @@ CTAs each, pointer tables into each other's buffers), against the fp32 reference
 Tolerance: ||y - ref|| / ||ref|| <= 1e-2 and max |y - ref| <= 3e-2 * max |ref| (bf16 output, fp32 accumulation
 in a different order, fast exp in SiLU: an h near a bf16 rounding boundary may round the other way). W8A8
 against megamoe.reference_moe_fp8 with the kernel's quantization (weights 128 x 128 blocks, x 1 x 128, h 1 x 64):
-3e-2 and 1e-1, since an h element that lands on the other side of an e4m3 rounding boundary moves by 1/16."""
+3e-2 and 1e-1, since an h element that lands on the other side of an e4m3 rounding boundary moves by 1/16.
+W4A8 against megamoe.reference_moe_w4a8 (the same weight recipe and activations) at W8A8's tolerance."""
 from __future__ import annotations
 
 import numpy as np
@@ -49,6 +50,27 @@ def _reference_fp8(x, idx, w, w1, w2):
 
     return reference_moe_fp8(x, idx, w, quantize_fp8_blockwise_weights(w1), quantize_fp8_blockwise_weights(w2),
                              l2_block=64, combine_dtype=torch.bfloat16)
+
+
+def _weights_w4(num_experts, hidden, intermediate, seed):
+    """_weights with each 32-run scaled by 2^-j, j in 0..16 (a quarter of the runs; the rest 1): W4A8's
+    conversion then takes every shift path inside the 128 x 128 blocks (exact, rounded below 2^-8, zero from
+    2^-13 on)."""
+    w1, w2 = _weights(num_experts, hidden, intermediate, seed)
+    g = torch.Generator().manual_seed(seed + 7)
+
+    def spread(w):
+        j = torch.randint(0, 17, (*w.shape[:-1], w.shape[-1] // 32), generator=g).float()
+        j = torch.where(torch.rand(j.shape, generator=g) < 0.25, j, torch.zeros_like(j))
+        return (w.float() * torch.exp2(-j).repeat_interleave(32, -1).cuda()).to(torch.bfloat16)
+
+    return spread(w1), spread(w2)
+
+
+def _reference_w4(x, idx, w, w1, w2):
+    from megamoe.reference import reference_moe_w4a8
+
+    return reference_moe_w4a8(x, idx, w, w1, w2, l2_block=64, combine_dtype=torch.bfloat16)
 
 
 def _close(y, ref, what, rel_tol=1e-2, worst_tol=3e-2):
@@ -162,19 +184,23 @@ def test_instrumented_tile_order_is_the_schedule(seed, schedule, m_group):
             assert ph[c, PHASES.index("b2")] <= dump["t_entry"][mine].min()
 
 
-def test_graph_replays_with_changing_inputs(seed):
+@pytest.mark.parametrize("dtype", ["bf16", "w4a8"])
+def test_graph_replays_with_changing_inputs(seed, dtype):
     """1,000 CUDA-Graph replays over 4 input sets copied into the captured inputs: every replay's output equals
     that set's eager output bit for bit (counted on the GPU), and the eager outputs match the reference."""
     num_experts, top_k, tokens = 8, 2, 256
-    moe = _layer(num_experts, top_k, tokens)
-    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe = _layer(num_experts, top_k, tokens, dtype=torch.bfloat16 if dtype == "bf16" else dtype)
+    w1, w2 = (_weights if dtype == "bf16" else _weights_w4)(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
     sets = [_inputs(tokens, num_experts, top_k, mode, seed + i, SMALL["hidden"])
             for i, mode in enumerate(("balanced", "skewed", "one_expert", "balanced"))]
     eager = []
     for x, idx, w in sets:
         y = moe.forward(x, idx, w)
-        _close(y, _reference(x, idx, w, w1, w2), "eager")
+        if dtype == "bf16":
+            _close(y, _reference(x, idx, w, w1, w2), "eager")
+        else:
+            _close(y, _reference_w4(x, idx, w, w1, w2), "eager w4a8", 3e-2, 1e-1)
         eager.append(y.clone())
     sx, si, sw = (t.clone() for t in sets[0])
     s = torch.cuda.Stream()
@@ -280,6 +306,42 @@ def test_w8a8_emulated_two_ranks(seed):
     moe.check_errors()
     for r, (y, (x, idx, w)) in enumerate(zip(ys, ins)):
         _close(y, _reference_fp8(x, idx, w, w1, w2), f"w8a8 rank {r}/2 seed={seed}", 3e-2, 1e-1)
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k,mode", [(300, 8, 2, "balanced"), (1000, 16, 6, "skewed"),
+                                                          (129, 8, 1, "one_expert"), (200, 16, 8, "balanced")])
+def test_w4a8_world1_matches_the_quantized_reference(seed, tokens, num_experts, top_k, mode):
+    """W4A8 against megamoe.reference_moe_w4a8 (the same E2M1/UE8M0 recipe, its e4m3 blocks, W8A8's
+    activations) at W8A8's tolerance; both schedules the same bits."""
+    moe = _layer(num_experts, top_k, tokens, dtype="w4a8")
+    w1, w2 = _weights_w4(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    x, idx, w = _inputs(tokens, num_experts, top_k, mode, seed, SMALL["hidden"])
+    ref = _reference_w4(x, idx, w, w1, w2)
+    ys = {}
+    for schedule in ("wave", "interleaved"):
+        y = torch.full_like(x, float("nan"))
+        moe.launch(x, idx, w, y, schedule)
+        moe.check_errors()
+        _close(y, ref, f"w4a8 {schedule} seed={seed}", 3e-2, 1e-1)
+        ys[schedule] = y
+    assert torch.equal(ys["wave"], ys["interleaved"]), f"the two schedules differ (seed={seed})"
+
+
+def test_w4a8_emulated_two_ranks(seed):
+    from megamoe.api import EmulatedMoE
+
+    num_experts, top_k, tokens = 16, 2, [257, 100]
+    moe = EmulatedMoE(2, num_experts, top_k, SMALL["hidden"], SMALL["intermediate"], max_tokens_per_rank=300,
+                      dtype="w4a8")
+    w1, w2 = _weights_w4(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    ins = [_inputs(t, num_experts, top_k, "skewed", seed + r, SMALL["hidden"]) for r, t in enumerate(tokens)]
+    ys = moe.forward([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins])
+    torch.cuda.synchronize()
+    moe.check_errors()
+    for r, (y, (x, idx, w)) in enumerate(zip(ys, ins)):
+        _close(y, _reference_w4(x, idx, w, w1, w2), f"w4a8 rank {r}/2 seed={seed}", 3e-2, 1e-1)
 
 
 def test_auto_schedule_runs_the_order_it_resolves_to(seed):

@@ -103,3 +103,80 @@ def test_layer_under_w4a8(seed):
 def test_bad_shapes():
     with pytest.raises(ValueError, match="not a multiple of the FP8 scale block 32"):
         quantize_mxfp4_weights(torch.zeros(4, 48))
+
+
+# --- the kernel's side of the recipe (megamoe.w4a8_dequant, megamoe.api.w4a8_kernel_weights) ----------------
+
+def test_shift_table_is_e4m3_rounding_of_the_shifted_magnitudes():
+    """The kernel's 8-entry tables (one per shift d) hold torch's e4m3 rounding of E2M1 magnitude * 2^-d, and the
+    clamp is where every entry has become zero."""
+    pytest.importorskip("cutlass")
+    from megamoe.reference import W4A8_SHIFT_MAX
+    from megamoe.w4a8_dequant import SHIFT_MAX, SHIFT_TABLE
+
+    assert SHIFT_MAX == W4A8_SHIFT_MAX and len(SHIFT_TABLE) == 2 * (SHIFT_MAX + 1)
+    mags = torch.tensor(E2M1_VALUES)
+    for d in range(SHIFT_MAX + 1):
+        want = (mags * 2.0 ** -d).to(FP8_DTYPE).view(torch.uint8).tolist()
+        got = [(SHIFT_TABLE[2 * d + j // 4] >> (8 * (j % 4))) & 0xFF for j in range(8)]
+        assert got == want, f"shift {d}"
+    assert not any(SHIFT_TABLE[-2:]) and any(SHIFT_TABLE[-4:-2]), "the last table is the first all-zero one"
+
+
+def _prmt(lo: int, hi: int, sel: int) -> int:
+    """PTX prmt.b32 in its default mode (byte j of the result: byte nibble_j(sel) of {hi, lo}); the kernel never
+    sets a nibble's sign-replicate bit."""
+    src = (hi << 32) | lo
+    out = 0
+    for j in range(4):
+        nib = (sel >> (4 * j)) & 0xF
+        assert nib < 8, "sign-replicate mode"
+        out |= ((src >> (8 * nib)) & 0xFF) << (8 * j)
+    return out
+
+
+def _kernel_decode(packed: torch.Tensor, shift_blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """The e4m3 bytes (rows, k) that megamoe.w4a8_dequant.dequant_stage writes, word by word as the kernel does:
+    per 128 x 128 block and row, each run's table from its shift, two prmt for the magnitudes of a word's 8
+    codes and two for their signs."""
+    from megamoe.w4a8_dequant import SIGN_BYTES, SHIFT_TABLE
+
+    rows = packed.shape[0]
+    words = packed.contiguous().view(torch.int32).view(rows, k // 8).tolist()
+    shifts = shift_blocks.view(torch.uint8).reshape(rows // 128, k // 128, 128, 4)
+    out = torch.zeros(rows, k, dtype=torch.uint8)
+    for r in range(rows):
+        for run in range(k // 32):
+            d = int(shifts[r // 128, run // 4, r % 128, run % 4])
+            t_lo, t_hi = SHIFT_TABLE[2 * d], SHIFT_TABLE[2 * d + 1]
+            for i in range(4):
+                w = words[r][run * 4 + i] & 0xFFFFFFFF
+                lo = _prmt(t_lo, t_hi, w & 0x7777) | _prmt(SIGN_BYTES, 0, (w >> 3) & 0x1111)
+                hi = _prmt(t_lo, t_hi, (w >> 16) & 0x7777) | _prmt(SIGN_BYTES, 0, (w >> 19) & 0x1111)
+                col = run * 32 + i * 8
+                out[r, col:col + 8] = torch.tensor([(v >> (8 * j)) & 0xFF for v in (lo, hi) for j in range(4)],
+                                                   dtype=torch.uint8)
+    return out
+
+
+@pytest.mark.parametrize("gate_up", [True, False])
+def test_kernel_layout_decodes_to_the_reference_blocks(seed, gate_up):
+    """What load_weights stores (packed codes, shift blocks, block scales), decoded as the kernel's per-stage
+    conversion does, is bit for bit megamoe.reference.w4a8_fp8_weights of each expert, in the kernel's row order
+    (W1: gate/up interleaved by 64). Runs are scaled by 2^0 .. 2^-16 so every shift path is taken: exact, rounded
+    (d > 8) and clamped (d >= 13)."""
+    pytest.importorskip("cutlass")
+    from megamoe.api import interleave_gate_up, w4a8_kernel_weights
+
+    gen = torch.Generator().manual_seed(seed)
+    E, N, K = 2, 256, 256
+    runs = torch.exp2(-torch.randint(0, 17, (E, N, K // 32), generator=gen).float())
+    w = (torch.randn(E, N, K, generator=gen) * runs.repeat_interleave(32, -1)).to(torch.bfloat16)
+    packed, shift_blocks, block_scale = w4a8_kernel_weights(w, gate_up, "cpu")
+    assert packed.shape == (E * N, K // 2) and shift_blocks.shape == (E * N // 128, K // 128 * 256)
+    got = _kernel_decode(packed, shift_blocks, K)
+    want_q, want_s = zip(*(w4a8_fp8_weights(*quantize_mxfp4_weights(w[e])) for e in range(E)))
+    want = torch.stack(want_q).view(torch.uint8)
+    want = interleave_gate_up(want) if gate_up else want.reshape(E * N, K)
+    assert torch.equal(got, want), f"seed={seed}: {(got != want).sum().item()} bytes differ"
+    assert torch.equal(block_scale, torch.stack(want_s).reshape(-1)), f"seed={seed}"
