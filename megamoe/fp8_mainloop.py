@@ -88,8 +88,8 @@ class Fp8MainloopMixin:
         """K blocks [kb0, kb0 + G) of a tile of ``n_kb`` as G * ``split`` units, alternating between the two
         accumulators ``blks``, each promoted while the next unit's WGMMA runs. ``cur`` holds block kb0's scales
         on entry (loaded here for kb0 = 0); each block loads the next one's into ``nxt``. Every WGMMA issued here
-        retires here. W4A8 (``dq``): each block's B is converted to e4m3 once it arrived, before its first WGMMA
-        (megamoe.w4a8_dequant), so block g + 1's conversion runs under block g's WGMMA. Returns the pipeline
+        retires here. W4A8 (``dq``): each block's B is converted to e4m3 once it arrived, right before its first
+        WGMMA (megamoe.w4a8_dequant), under the previous unit's WGMMA. Returns the pipeline
         state after the G blocks and (instrument) when block 0 arrived."""
         per = cute.size(tCrA, mode=[2]) // split  # k32 steps per unit
         n_units = G * split
@@ -99,23 +99,19 @@ class Fp8MainloopMixin:
             following.advance()
             states.append(following)
 
-        def prepare(g):  # W4A8: block g's stage has arrived; convert its B block (both warpgroups)
-            pipe.consumer_wait(states[g])
-            self.dequant_stage(dq, states[g].index, NamedBarrierMoE.DequantFull, 2 * WG_THREADS)
-
         def issue(u):
             g, h = u // split, u % split
-            if const_expr(h == 0 and dq is None):
+            if const_expr(h == 0):
                 pipe.consumer_wait(states[g])
+                if const_expr(dq is not None):
+                    self.dequant_stage(dq, states[g].index, NamedBarrierMoE.DequantFull, 2 * WG_THREADS)
             self.wgmma_k(mma, blks[u % 2], tCrA, tCrB, states[g].index, h * per, (h + 1) * per)
 
-        issue(0)  # W4A8: block kb0 was converted by the previous group or before the tile's first
-        if const_expr(self.instrument and dq is None):
+        issue(0)
+        if const_expr(self.instrument):
             if kb0 == 0:
                 t_data = cute.arch.globaltimer()
         if const_expr(n_units > 1):
-            if const_expr(dq is not None and split == 1):
-                prepare(1)
             issue(1)
         if kb0 == 0:
             self.load_block_scales(cur, kind, Int32(0), arow, scales, lo, hi)
@@ -124,17 +120,6 @@ class Fp8MainloopMixin:
             if const_expr(h == 0):
                 if kb0 + g + 1 < n_kb:
                     self.load_block_scales(nxt, kind, kb0 + g + 1, arow, scales, lo, hi)
-            if const_expr(dq is not None):
-                # W4A8: the conversion for unit u + 2 runs before unit u is waited for, under two WGMMA units
-                # (one when the group has one); past the group's end it is the next group's first block (if the
-                # tile has one), which that group then finds converted. Inline: a staged if sees no closure.
-                ahead = u + 2 if n_units > 1 else u + 1
-                if const_expr(ahead % split == 0 and ahead < n_units):
-                    prepare(ahead // split)
-                if const_expr(ahead == n_units):
-                    if kb0 + G < n_kb:
-                        pipe.consumer_wait(states[G])
-                        self.dequant_stage(dq, states[G].index, NamedBarrierMoE.DequantFull, 2 * WG_THREADS)
             if const_expr(u + 1 < n_units):
                 warpgroup.wait_group(1)  # unit u done, unit u + 1 in flight
             else:
@@ -193,11 +178,6 @@ class Fp8MainloopMixin:
             # (producer acquire -> its TMA -> the stage's mbarrier -> this warpgroup's wait) all are visible
             lo = (e * (H // 128) + n) * (I // 128)
             hi = lo
-        if const_expr(dq is not None):  # W4A8: the tile's first block converted here, the rest one block ahead
-            pipe.consumer_wait(state)
-            if const_expr(self.instrument):
-                t_data = cute.arch.globaltimer()
-            self.dequant_stage(dq, state.index, NamedBarrierMoE.DequantFull, 2 * WG_THREADS)
         if kind == ts.KIND_L1:
             state, t_data = self.fp8_k_loop(self.k1, 1, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, scales,
                                             lo, hi, cur, nxt, t_data, dq)
