@@ -137,14 +137,19 @@ class Fp8MainloopMixin:
     @cute.jit
     def fp8_k_loop(self, n_kb: cutlass.Constexpr, split: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state,
                    kind, arow, scales, lo, hi, cur, nxt, t_data, dq):
-        """A tile's ``n_kb`` K blocks: FP8_GROUP blocks per loop iteration, the rest one at a time."""
+        """A tile's ``n_kb`` K blocks: FP8_GROUP blocks per loop iteration, the rest one at a time. W4A8 takes the
+        largest group up to FP8_GROUP that divides ``n_kb`` (DiT-MoE's 9 L1 blocks: 3 x 3), so there is no
+        one-block loop: with one, ptxas spilled a register there."""
+        group = FP8_GROUP
+        if const_expr(dq is not None):
+            group = max(g for g in range(1, FP8_GROUP + 1) if n_kb % g == 0)
         kb = Int32(0)
-        for _ in cutlass.range(n_kb // FP8_GROUP, unroll=1):
-            state, t_data = self.fp8_blocks(FP8_GROUP, split, n_kb, mma, acc, blks, tCrA, tCrB, pipe, state, kb, kind,
+        for _ in cutlass.range(n_kb // group, unroll=1):
+            state, t_data = self.fp8_blocks(group, split, n_kb, mma, acc, blks, tCrA, tCrB, pipe, state, kb, kind,
                                             arow, scales, lo, hi, cur, nxt, t_data, dq)
-            kb = kb + FP8_GROUP
-        if const_expr(n_kb % FP8_GROUP):
-            for _ in cutlass.range(n_kb % FP8_GROUP, unroll=1):
+            kb = kb + group
+        if const_expr(n_kb % group):
+            for _ in cutlass.range(n_kb % group, unroll=1):
                 state, t_data = self.fp8_blocks(1, split, n_kb, mma, acc, blks, tCrA, tCrB, pipe, state, kb, kind,
                                                 arow, scales, lo, hi, cur, nxt, t_data, dq)
                 kb = kb + 1

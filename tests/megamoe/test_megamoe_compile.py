@@ -126,8 +126,9 @@ def test_w4a8_kernel_converts_in_shared_memory_then_runs_the_w8a8_mainloop(tmp_p
 
     k = MegaMoEForward(*shape, precision="w4a8")
     c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
-    k1, k2 = shape[0] // 128, shape[1] // 128
-    n_wgmma = 8 * FP8_GROUP + 4 * bool(k1 % FP8_GROUP) + 4 * bool(k2 % FP8_GROUP)
+    # each kind's group: the largest up to FP8_GROUP that divides its K blocks (DiT-MoE's L1: 3), no remainder
+    g1, g2 = (max(g for g in range(1, FP8_GROUP + 1) if kb % g == 0) for kb in (shape[0] // 128, shape[1] // 128))
+    n_wgmma = 4 * g1 + 4 * g2
     assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == n_wgmma
     # one conversion per block issued in the mainloop's straight-line groups (the blocks whose WGMMAs the
     # count above holds) and one in the drain
