@@ -2,6 +2,7 @@
 order auto picks for that shape, world and token count against the better of the two measured orders (no GPU).
 
     python -m benchmarks.megamoe_auto benchmarks/results/h200/megamoe_bf16_147e2d5.json [--out J] [--margin M]
+    python -m benchmarks.megamoe_auto benchmarks/results/h200/megamoe_matrix_w4a8_f3649cd.json  (a --matrix result)
 """
 from __future__ import annotations
 
@@ -12,31 +13,52 @@ import statistics
 PRESETS = {"dsv4-flash": (4096, 2048, 256, 6), "qwen3-moe": (4096, 1536, 128, 8), "dit-moe": (1152, 4608, 8, 2)}
 
 
-def regrets(bench: dict, margin: float, dtype: str = "bf16", sms: int = 132) -> list[dict]:
+PRECISION_OF = {"bf16": "bf16", "fp8": "w8a8", "w8a8": "w8a8", "w4a8": "w4a8"}  # bench dtype -> kernel precision
+
+
+def _regret(layer: tuple, name: str, world: int, ranks, tokens: int, routing: str, precision: str,
+            measured: dict, margin: float, sms: int) -> dict:
+    """auto's pick for one measured (wave, interleaved) pair of layer (hidden, intermediate, experts, top_k)."""
     from megamoe import auto
 
+    hidden, intermediate, experts, top_k = layer
+    # an emulated rank runs over SMs / P CTAs of the one GPU, a real rank over all of its own GPU's
+    per = sms if ranks == "real" else sms // world
+    grid = per - per % 2
+    bucket = auto.token_bucket(tokens)
+    pick = auto.choose_schedule(hidden, intermediate, experts, top_k, world, bucket, grid, precision, margin)
+    pred = auto.predicted_makespans(hidden, intermediate, experts, top_k, world, bucket, grid, precision)
+    best = min(measured.values())
+    return {"shape": name, "precision": precision, "world": world, "ranks": ranks, "grid": grid,
+            "tokens_per_rank": tokens, "routing": routing, "measured_us": measured, "predicted_us": pred,
+            "pick": pick, "better": min(measured, key=measured.get), "regret": measured[pick] / best - 1.0}
+
+
+def regrets(bench: dict, margin: float, dtype: str = "bf16", sms: int = 132) -> list[dict]:
+    """Per measured row of an ``xstage bench megamoe`` result (its three PRESETS shapes), or per measured
+    configuration of an ``xstage bench megamoe --matrix`` result (every model; ``dtype`` None: every
+    precision in it)."""
+    if bench.get("kind") == "megamoe_matrix" or "configurations" in bench:
+        want = None if dtype is None else PRECISION_OF[dtype]
+        out = []
+        for c in bench["configurations"]:
+            if c.get("status") != "measured" or (want and c["precision"] != want):
+                continue
+            measured = {s: c[s]["us"] for s in ("wave", "interleaved")}
+            routing = c["routing"] + (f"@{c['zipf_exponent']}" if c.get("zipf_exponent") else "")
+            out.append(_regret((c["hidden"], c["intermediate"], c["num_experts"], c["top_k"]), c["model"],
+                               c["world"], c.get("ranks"), c["tokens_per_rank"], routing, c["precision"],
+                               measured, margin, sms))
+        return out
     out = []
     for row in bench["rows"]:
         cols = row["columns"]
         wave, inter = cols.get(f"ours_{dtype}_wave", {}), cols.get(f"ours_{dtype}_interleaved", {})
         if "us" not in wave or "us" not in inter or row["shape"] not in PRESETS:
             continue
-        hidden, intermediate, experts, top_k = PRESETS[row["shape"]]
-        world, tokens = row["world"], row["tokens_per_rank"]
-        # an emulated rank runs over SMs / P CTAs of the one GPU, a real rank over all of its own GPU's
-        per = sms if row.get("ranks") == "real" else sms // world
-        grid = per - per % 2
-        precision = "w8a8" if dtype == "fp8" else "bf16"
-        pick = auto.choose_schedule(hidden, intermediate, experts, top_k, world, auto.token_bucket(tokens), grid,
-                                    precision, margin)
-        pred = auto.predicted_makespans(hidden, intermediate, experts, top_k, world, auto.token_bucket(tokens),
-                                        grid, precision)
         measured = {"wave": wave["us"], "interleaved": inter["us"]}
-        best = min(measured.values())
-        out.append({"shape": row["shape"], "world": world, "ranks": row.get("ranks"), "grid": grid,
-                    "tokens_per_rank": tokens, "routing": row["routing"],
-                    "measured_us": measured, "predicted_us": pred, "pick": pick,
-                    "better": min(measured, key=measured.get), "regret": measured[pick] / best - 1.0})
+        out.append(_regret(PRESETS[row["shape"]], row["shape"], row["world"], row.get("ranks"),
+                           row["tokens_per_rank"], row["routing"], PRECISION_OF[dtype], measured, margin, sms))
     return out
 
 
@@ -51,9 +73,10 @@ def summary(rows: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("bench", help="an xstage bench megamoe result JSON")
+    p.add_argument("bench", help="an xstage bench megamoe result JSON (a grid or a --matrix result)")
     p.add_argument("--margin", type=float, default=None, help="AUTO_MARGIN to evaluate (default megamoe.auto's)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"))
+    p.add_argument("--dtype", default=None, choices=tuple(PRECISION_OF),
+                   help="the precision's columns (grid: default bf16; matrix: default every precision in it)")
     p.add_argument("--out", help="write the rows and the summary here")
     args = p.parse_args(argv)
     from megamoe import auto
@@ -61,13 +84,15 @@ def main(argv=None) -> int:
     margin = auto.AUTO_MARGIN if args.margin is None else args.margin
     with open(args.bench) as f:
         bench = json.load(f)
-    rows = regrets(bench, margin, args.dtype)
+    matrix = "configurations" in bench
+    dtype = args.dtype if args.dtype or matrix else "bf16"
+    rows = regrets(bench, margin, dtype)
     if not rows:
-        raise SystemExit(f"{args.bench}: no row has both ours_{args.dtype} orders measured")
+        raise SystemExit(f"{args.bench}: no row or configuration of precision {dtype} has both orders measured")
     result = {"bench": args.bench, "bench_commit": bench.get("provenance", {}).get("git_commit"), "margin": margin,
               "summary": summary(rows), "rows": rows}
     for r in rows:
-        print(f"{r['shape']:11s} P={r['world']} T={r['tokens_per_rank']:5d} {r['routing']:8s} pick {r['pick']:11s} "
+        print(f"{r['shape']:11s} {r['precision']:5s} P={r['world']} T={r['tokens_per_rank']:5d} {r['routing']:8s} pick {r['pick']:11s} "
               f"better {r['better']:11s} regret {100 * r['regret']:5.2f}%  (pred int/wave "
               f"{r['predicted_us']['interleaved'] / max(r['predicted_us']['wave'], 1e-9):.3f}, measured "
               f"{r['measured_us']['interleaved'] / r['measured_us']['wave']:.3f})")

@@ -7,8 +7,14 @@ faster. The costs fold each tile's exposed epilogue into its mainloop. With loca
 emulated on one) X-stage backpressure plays no part and what the replay sees is the dependency waits and the
 waves' ragged ends.
 
-Where neither replay is ``AUTO_MARGIN`` faster, ``tie_break`` decides: interleaved, except bf16 at world > 1.
-Evaluated (``python -m benchmarks.megamoe_auto RESULT.json [--dtype fp8]``) on the staged-epilogue kernel's
+Where neither replay is ``AUTO_MARGIN`` faster, ``tie_break`` decides: wave for bf16, interleaved for W8A8 and
+W4A8. On the current kernel's grids (bfa38e6: ``megamoe_grid{,1024}_bfa38e6.json``) and the W4A8 matrix
+(``megamoe_matrix_w4a8_f3649cd.json``: 7 models x 2 routings x 4096/8192 tokens x world 1 and emulated 2) the
+regret is at most 0.9% / 2.8% (1024 tokens) for bf16, 2.9% / 2.0% for W8A8 and 2.0% for W4A8
+(``megamoe_auto_regret_*_f3649cd.json``; the margin and the bf16 tie-break were chosen on these same files:
+docs/FINDINGS.md, megamoe auto tie-break). History below.
+
+Earlier evaluations (``python -m benchmarks.megamoe_auto RESULT.json [--dtype fp8]``) on the staged-epilogue kernel's
 grid (``megamoe_grid_916b5e8.json``: 3 shapes x 1024/4096/8192 tokens x balanced/skewed x world 1 and emulated
 2, one H200): the regret of its pick against the better measured order is at most 3.7% for bf16 (mean 0.4%;
 always-wave 27%, always-interleaved 9.9%) and 1.4% for W8A8 (mean 0.2%; always-interleaved 1.1%)
@@ -34,9 +40,10 @@ from megamoe import schedule as sched
 
 # The replay's predicted interleaved / wave ratio missed the measured one by up to ~0.1 on the bd00a6a grid (DiT-MoE:
 # 0.68 against 0.77-0.79 at 1024 tokens; 1.04 against 0.93 at emulated P = 2, 8192, W8A8), so it decides only a
-# predicted gain of 5% or more (at 1%: W8A8 max regret 8.1%; at 5%: 1.3%, 1.5% at 1024 tokens; bf16 4.5% and
-# 5.0% either way: docs/FINDINGS.md, megamoe auto margin)
-AUTO_MARGIN = 0.05
+# predicted gain of a few percent (bd00a6a, at 1%: W8A8 max regret 8.1%; at 5%: 1.3%). 3.5% since f3649cd: the
+# same bf16 and W8A8 worst rows on the bfa38e6 grids as 5%, and W4A8's emulated P = 2 DiT-MoE at 8192 tokens
+# (predicted wave 3.7% faster, measured 3.0-3.3%) decided (W4A8 max regret 3.3% -> 2.0%; docs/FINDINGS.md)
+AUTO_MARGIN = 0.035
 # This kernel's bf16 tile costs on one H200 (147e2d5, megamoe_dump_P2_147e2d5_summary.json): the mainloops run
 # at ~671 TFLOP/s over 132 SMs (DSv4-Flash L2 tiles: 13.2 us for 2 * 128 * 128 * 2048 FLOP); the epilogues,
 # which the MMA warpgroups run themselves, about 1.0 us (L1: SwiGLU, intermediate stores, the counter) and
@@ -81,10 +88,12 @@ def predicted_makespans(hidden: int, intermediate: int, num_experts: int, top_k:
 
 
 def tie_break(precision: str, world: int) -> str:
-    """The order taken when neither replay is ``margin`` faster (measured, 916b5e8, one H200, local stores):
-    interleaved, except bf16 at world > 1, where the ranks' doubled weight traffic (interleaving keeps fewer
-    experts' weights in L2) made the wave order up to 10% faster at 4096-8192 tokens."""
-    return "wave" if precision == "bf16" and world > 1 else "interleaved"
+    """The order taken when neither replay is ``margin`` faster (one H200, local stores): wave for bf16 (at
+    world > 1 the ranks' doubled weight traffic made it up to 10% faster at 916b5e8; since the bf16 row-group
+    walk, bfa38e6, also at world 1: up to 7.7% at DiT-MoE 8192 tokens, where the replay sees a tie), else
+    interleaved (W8A8 and W4A8: within 2.9% of the better order wherever the replay ties). ``world`` stays in the
+    signature for the multi-GPU issue's refit."""
+    return "wave" if precision == "bf16" else "interleaved"
 
 
 def choose_schedule(hidden: int, intermediate: int, num_experts: int, top_k: int, world: int, tokens: int,
