@@ -22,7 +22,7 @@ import sys
 
 from benchmarks.old_vs_new import add_timing_arguments, check_old_tree, old_commit, time_old_new
 
-DTYPES = ("bf16", "w8a8")
+DTYPES = ("bf16", "w8a8", "w4a8")
 SCHEDULES = ("wave", "interleaved")
 # the rows issue 28's W8A8 target is judged at, and one bf16 control
 DEFAULT_CASES = ("qwen3-moe:8192:balanced:w8a8:interleaved", "dsv4-flash:8192:balanced:w8a8:interleaved",
@@ -78,7 +78,7 @@ def run(args) -> dict:
             gen = torch.Generator(device="cuda").manual_seed(seed)
             x = torch.randn(case["tokens"], preset.hidden, generator=gen, device="cuda").to(torch.bfloat16)
             idx, wts = make_routing(case["tokens"], preset.num_experts, preset.top_k, case["routing"], seed, "cuda")
-            dtype = torch.bfloat16 if case["dtype"] == "bf16" else torch.float8_e4m3fn
+            dtype = {"bf16": torch.bfloat16, "w8a8": torch.float8_e4m3fn}.get(case["dtype"], case["dtype"])
             layers = {}
             for name, cls in (("old", OldMoE), ("new", NewMoE)):
                 layers[name] = cls(None, preset.num_experts, preset.top_k, preset.hidden, preset.intermediate,
