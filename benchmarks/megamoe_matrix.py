@@ -36,8 +36,8 @@ layer (benchmarks/megamoe_matrix_dump.py says how) and per measured configuratio
 schedule, FILE.npz + FILE.json as bench megamoe --dump writes them, read by benchmarks/megamoe_analysis.py.
 Time on one H200 (--plan, at bf16 rates, which bound the quantized kernels from above): the default matrix is
 168 configurations, ~3 min of device work per precision plus ~45 s start-up: one 10-minute device call for
-bf16 and w8a8 (w4a8 skipped in moments while the API lacks it), two for all three: --max-minutes 8.5, then
---resume the same file.
+bf16 and w8a8, two for all three: --max-minutes 8.5, then --resume the same file (w4a8 alone at f3649cd: its 56
+configurations in 4.6 minutes).
 """
 from __future__ import annotations
 

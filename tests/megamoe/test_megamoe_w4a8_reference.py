@@ -1,7 +1,9 @@
 """The W4A8 weight recipe in plain torch (megamoe/reference.py): E2M1 codes rounded to nearest even, UE8M0
 scales per 32 (the smallest power of two that keeps every value within 6), the packing order, the kernel's
 conversion into e4m3 blocks (exact for scale shifts >= -8 inside a 128 x 128 block, rounded below), and the
-layer under the recipe. Random inputs use the printed ``seed`` fixture."""
+layer under the recipe; and the kernel's side of it on the CPU: the shift tables, the stored layout decoded word
+by word as the kernel's conversion does, and the conversion's store offsets against WGMMA's B layout. Random
+inputs use the printed ``seed`` fixture."""
 
 import pytest
 import torch
@@ -180,3 +182,33 @@ def test_kernel_layout_decodes_to_the_reference_blocks(seed, gate_up):
     want = interleave_gate_up(want) if gate_up else want.reshape(E * N, K)
     assert torch.equal(got, want), f"seed={seed}: {(got != want).sum().item()} bytes differ"
     assert torch.equal(block_scale, torch.stack(want_s).reshape(-1)), f"seed={seed}"
+
+
+def test_conversion_stores_follow_the_wgmma_b_layout():
+    """The kernel's e4m3 B stages are WGMMA's K-major 128-byte-swizzled layout (sm90_utils.make_smem_layout, as
+    megamoe.kernel builds it); the conversion writes byte (n, k) of stage s at s * 16384 + n * 128 +
+    ((k // 16) ^ (n % 8)) * 16 + k % 16 (megamoe.w4a8_dequant). Checked against the layout's own crd2idx."""
+    cutlass = pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+    from quack import sm90_utils
+
+    from megamoe.kernel import BLOCK_N, STAGE_K, MegaMoEForward
+    from megamoe.w4a8_dequant import K, ROWS
+
+    stages = MegaMoEForward(1152, 512, 2, 8, precision="w4a8").ab_stages
+    assert (ROWS, K) == (BLOCK_N, STAGE_K["w4a8"])
+    got = []
+
+    @cute.jit
+    def offsets():
+        layout = sm90_utils.make_smem_layout(cutlass.Float8E4M3FN, cutlass.utils.LayoutEnum.ROW_MAJOR, (ROWS, K),
+                                             stages)
+        for s in (0, stages - 1):
+            for n in cutlass.range_constexpr(ROWS):  # static: each offset is a trace-time integer
+                for k in (0, 15, 16, 47, 64, 112, 127):
+                    got.append(((n, k, s), cute.crd2idx((n, k, s), layout)))
+
+    offsets()
+    assert got, "nothing traced"
+    for (n, k, s), idx in got:
+        assert int(idx) == s * ROWS * K + n * K + ((k // 16) ^ (n % 8)) * 16 + k % 16, (n, k, s, idx)
