@@ -23,8 +23,11 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.experimental import primitives as prims
 
-SHIFT_MAX = 13  # d >= 13: 6 * 2^-13 is below half of e4m3's least subnormal 2^-9, so every value is 0
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7 (bit 3 is the sign)
+# the recipe's constants from its one source: the shift clamp (d >= 13: 6 * 2^-13 is below half of e4m3's least
+# subnormal 2^-9, so every value is 0) and the E2M1 magnitudes of codes 0-7 (bit 3 is the sign)
+from megamoe.reference import E2M1_VALUES as E2M1_MAGNITUDES
+from megamoe.reference import W4A8_SHIFT_MAX as SHIFT_MAX
+
 ROWS, K = 128, 128  # one stage's B block
 PACKED_ROW_BYTES = K // 2
 RUN = 32  # elements per UE8M0 scale
