@@ -274,74 +274,52 @@ def test_custom_op_equals_forward(seed):
     assert torch.equal(direct, via_op) and torch.equal(direct, compiled), f"seed={seed}"
 
 
-@pytest.mark.parametrize("tokens,num_experts,top_k,mode", [(300, 8, 2, "balanced"), (1000, 16, 6, "skewed"),
-                                                          (129, 8, 1, "one_expert")])
-def test_w8a8_world1_matches_the_quantized_reference(seed, tokens, num_experts, top_k, mode):
-    moe = _layer(num_experts, top_k, tokens, dtype=torch.float8_e4m3fn)
-    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+def _quantized(precision):
+    """(MegaMoE dtype, weights, reference) of a quantized precision: W8A8 against reference_moe_fp8, W4A8 against
+    reference_moe_w4a8 (its weights' runs spread over every shift path)."""
+    return {"w8a8": (torch.float8_e4m3fn, _weights, _reference_fp8),
+            "w4a8": ("w4a8", _weights_w4, _reference_w4)}[precision]
+
+
+@pytest.mark.parametrize("precision,tokens,num_experts,top_k,mode", [
+    ("w8a8", 300, 8, 2, "balanced"), ("w8a8", 1000, 16, 6, "skewed"), ("w8a8", 129, 8, 1, "one_expert"),
+    ("w4a8", 300, 8, 2, "balanced"), ("w4a8", 1000, 16, 6, "skewed"), ("w4a8", 129, 8, 1, "one_expert"),
+    ("w4a8", 200, 16, 8, "balanced")])
+def test_quantized_world1_matches_the_quantized_reference(seed, precision, tokens, num_experts, top_k, mode):
+    """W8A8 / W4A8 against the reference under the same quantization, at W8A8's tolerance; both schedules the
+    same bits."""
+    dtype, weights, reference = _quantized(precision)
+    moe = _layer(num_experts, top_k, tokens, dtype=dtype)
+    w1, w2 = weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
     x, idx, w = _inputs(tokens, num_experts, top_k, mode, seed, SMALL["hidden"])
-    ref = _reference_fp8(x, idx, w, w1, w2)
+    ref = reference(x, idx, w, w1, w2)
     ys = {}
     for schedule in ("wave", "interleaved"):
         y = torch.full_like(x, float("nan"))
         moe.launch(x, idx, w, y, schedule)
         moe.check_errors()
-        _close(y, ref, f"w8a8 {schedule} seed={seed}", 3e-2, 1e-1)
+        _close(y, ref, f"{precision} {schedule} seed={seed}", 3e-2, 1e-1)
         ys[schedule] = y
     assert torch.equal(ys["wave"], ys["interleaved"]), f"the two schedules differ (seed={seed})"
 
 
-def test_w8a8_emulated_two_ranks(seed):
+@pytest.mark.parametrize("precision", ["w8a8", "w4a8"])
+def test_quantized_emulated_two_ranks(seed, precision):
     from megamoe.api import EmulatedMoE
 
+    dtype, weights, reference = _quantized(precision)
     num_experts, top_k, tokens = 16, 2, [257, 100]
     moe = EmulatedMoE(2, num_experts, top_k, SMALL["hidden"], SMALL["intermediate"], max_tokens_per_rank=300,
-                      dtype=torch.float8_e4m3fn)
-    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+                      dtype=dtype)
+    w1, w2 = weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
     ins = [_inputs(t, num_experts, top_k, "skewed", seed + r, SMALL["hidden"]) for r, t in enumerate(tokens)]
     ys = moe.forward([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins])
     torch.cuda.synchronize()
     moe.check_errors()
     for r, (y, (x, idx, w)) in enumerate(zip(ys, ins)):
-        _close(y, _reference_fp8(x, idx, w, w1, w2), f"w8a8 rank {r}/2 seed={seed}", 3e-2, 1e-1)
-
-
-@pytest.mark.parametrize("tokens,num_experts,top_k,mode", [(300, 8, 2, "balanced"), (1000, 16, 6, "skewed"),
-                                                          (129, 8, 1, "one_expert"), (200, 16, 8, "balanced")])
-def test_w4a8_world1_matches_the_quantized_reference(seed, tokens, num_experts, top_k, mode):
-    """W4A8 against megamoe.reference_moe_w4a8 (the same E2M1/UE8M0 recipe, its e4m3 blocks, W8A8's
-    activations) at W8A8's tolerance; both schedules the same bits."""
-    moe = _layer(num_experts, top_k, tokens, dtype="w4a8")
-    w1, w2 = _weights_w4(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
-    moe.load_weights(w1, w2)
-    x, idx, w = _inputs(tokens, num_experts, top_k, mode, seed, SMALL["hidden"])
-    ref = _reference_w4(x, idx, w, w1, w2)
-    ys = {}
-    for schedule in ("wave", "interleaved"):
-        y = torch.full_like(x, float("nan"))
-        moe.launch(x, idx, w, y, schedule)
-        moe.check_errors()
-        _close(y, ref, f"w4a8 {schedule} seed={seed}", 3e-2, 1e-1)
-        ys[schedule] = y
-    assert torch.equal(ys["wave"], ys["interleaved"]), f"the two schedules differ (seed={seed})"
-
-
-def test_w4a8_emulated_two_ranks(seed):
-    from megamoe.api import EmulatedMoE
-
-    num_experts, top_k, tokens = 16, 2, [257, 100]
-    moe = EmulatedMoE(2, num_experts, top_k, SMALL["hidden"], SMALL["intermediate"], max_tokens_per_rank=300,
-                      dtype="w4a8")
-    w1, w2 = _weights_w4(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
-    moe.load_weights(w1, w2)
-    ins = [_inputs(t, num_experts, top_k, "skewed", seed + r, SMALL["hidden"]) for r, t in enumerate(tokens)]
-    ys = moe.forward([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins])
-    torch.cuda.synchronize()
-    moe.check_errors()
-    for r, (y, (x, idx, w)) in enumerate(zip(ys, ins)):
-        _close(y, _reference_w4(x, idx, w, w1, w2), f"w4a8 rank {r}/2 seed={seed}", 3e-2, 1e-1)
+        _close(y, reference(x, idx, w, w1, w2), f"{precision} rank {r}/2 seed={seed}", 3e-2, 1e-1)
 
 
 def test_auto_schedule_runs_the_order_it_resolves_to(seed):
