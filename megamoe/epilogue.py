@@ -165,11 +165,10 @@ class StagedEpilogueMixin:
         s_bytes = cute.recast_ptr(sC.iterator, dtype=cutlass.Uint8)
         dst = cute.make_rmem_tensor(cute.make_layout(2), Int64)
         cursor = ts.initial_cursor(order, bidx)
-        found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
-                                                 self.n1, self.n2, E)
+        found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
+                                                    grid, self.n1, self.n2, E)
         j = Int32(0)
         while found != 0:
-            e = ts.expert_of_row(s_row_off, p, E)
             valid = cutlass.min(s_ntok[e] - (p - s_row_off[e]) * BLOCK_M, Int32(BLOCK_M)) - wg * 64
             row0 = p * BLOCK_M + wg * 64  # this warpgroup's first pool row
             # each lane's destinations, computed while the MMA warpgroup is still in its mainloop
@@ -216,8 +215,8 @@ class StagedEpilogueMixin:
                     records[base + REC_STORE_BEGIN] = g0
                     records[base + REC_STORE_END] = cute.arch.globaltimer()
             j = j + 1
-            found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
-                                                     self.n1, self.n2, E)
+            found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
+                                                        grid, self.n1, self.n2, E)
             if found != 0:
                 cute.arch.barrier_arrive(barrier_id=NamedBarrierMoE.StagingFree + wg,
                                          number_of_threads=STAGING_THREADS)

@@ -308,10 +308,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         cute.arch.fence_proxy("async.global")
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         cursor = ts.initial_cursor(order, bidx)
-        found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
-                                                 self.n1, self.n2, E)
+        found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
+                                                    grid, self.n1, self.n2, E)
         while found != 0:
-            e = ts.expert_of_row(s_row_off, p, E)
             if kind == ts.KIND_L1:
                 state = self.load_tile(tma_x, gX, tma_w1, gW1, p, e * self.n1 + n, sA, sB, self.k1, pipe, state,
                                        (tma_s1, gS1, sS))
@@ -322,8 +321,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                 cute.arch.fence_proxy("async.global")
                 state = self.load_tile(tma_h, gH, tma_w2, gW2, p, e * self.n2 + n, sA, sB, self.k2, pipe, state,
                                        (tma_s2, gS2, sS))
-            found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
-                                                     self.n1, self.n2, E)
+            found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
+                                                        grid, self.n1, self.n2, E)
         pipe.producer_tail(state)
 
     @cute.jit
@@ -426,14 +425,13 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         wts = cute.make_rmem_tensor(cute.make_layout(cute.size(rows_c, mode=[0])), Float32)  # L1: router weights
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         cursor = ts.initial_cursor(order, bidx)
-        found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
-                                                 self.n1, self.n2, E)
+        found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
+                                                    grid, self.n1, self.n2, E)
         j = Int32(0)  # the tile's place in the CTA's stream
         while found != 0:
             n_kb = Int32(self.k1)
             if kind == ts.KIND_L2:
                 n_kb = Int32(self.k2)
-            e = ts.expert_of_row(s_row_off, p, E)
             m = p - s_row_off[e]
             if const_expr(self.instrument):
                 t_entry = cute.arch.globaltimer()
@@ -477,5 +475,5 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                         records[base_r + 5] = t_end
                         records[base_r + REC_STAGING_WAIT] = waited
             j = j + 1
-            found, kind, p, n, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
-                                                     self.n1, self.n2, E)
+            found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
+                                                        grid, self.n1, self.n2, E)

@@ -29,22 +29,6 @@ KIND_L2 = 2
 
 
 @cute.jit
-def expert_of_row(s_row_off: cute.Tensor, p: Int32, num_experts: cutlass.Constexpr) -> Int32:
-    """e(p): the largest local expert whose first row O_e <= p (experts with no rows share their O_e with the
-    next one, so the largest such e is the one that owns p). A fixed number of halvings, no data-dependent
-    trip count."""
-    lo = Int32(0)
-    hi = Int32(num_experts - 1)
-    for _ in cutlass.range_constexpr(max(1, math.ceil(math.log2(num_experts + 1)))):
-        mid = (lo + hi + 1) // 2
-        if s_row_off[mid] <= p:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-@cute.jit
 def raster(s_row_off: cute.Tensor, first_row: Int32, j: Int32, units, m_group: Int32, rnd: Int32, pos: Int32,
            stride: Int32, e_lo: Int32, e_hint: Int32):
     """schedule.RankWork.raster: the ``j``-th (row, unit) from ``first_row`` on in row groups of ``m_group``
@@ -53,19 +37,19 @@ def raster(s_row_off: cute.Tensor, first_row: Int32, j: Int32, units, m_group: I
     unit's round needs no division by the stride. The expert is found by a forward scan from ``e_hint`` (the
     cursor's last expert, or ``e_lo`` when the walk went back): the cursors only move forward, a stride at a
     time, so the scan is a step or two where a binary search would be log2(E) dependent loads, on the MMA
-    side's path between tiles. Returns (row, unit, group's first row, its last row, the expert).
-    ``m_group == 1`` is the row-major walk and searches nothing."""
+    side's path between tiles. Returns (row, unit, group's first row, its last row, the expert of row q: for
+    ``m_group == 1``, the row-major walk, that is the tile's; in a group all rows share it)."""
     q = first_row + j // units
     p = q
     u = j % units
     first = q
     last = q
     e = e_hint
+    if s_row_off[e] > q:
+        e = e_lo
+    while s_row_off[e + 1] <= q:
+        e = e + 1
     if m_group > 1:
-        if s_row_off[e] > q:
-            e = e_lo
-        while s_row_off[e + 1] <= q:
-            e = e + 1
         start = s_row_off[e]
         blocks = s_row_off[e + 1] - start
         local = j - (start - first_row) * units
@@ -96,7 +80,8 @@ def wave_rows(s_row_off: cute.Tensor, w: Int32, experts_per_wave: Int32, num_exp
 def next_tile(order: Int32, cursor, s_row_off: cute.Tensor, num_rows: Int32, experts_per_wave: Int32,
               lead: Int32, m_group: Int32, bidx: Int32, grid: Int32, n1: cutlass.Constexpr,
               n2: cutlass.Constexpr, num_experts: cutlass.Constexpr):
-    """The CTA's next tile after ``cursor``: returns (found, kind, p, n, cursor'). ``order``: WAVE or
+    """The CTA's next tile after ``cursor``: returns (found, kind, p, n, e, cursor'), e the expert of row p
+    (raster's scan: no search by the callers). ``order``: WAVE or
     INTERLEAVED (a run-time choice of the same kernel). ``lead``: Algorithm 1's D as whole rows (ceil(D): the
     rows are integers, so p_2 + D <= p_1 iff p_2 + ceil(D) <= p_1). ``m_group``: the row groups of
     :func:`raster`."""
@@ -105,6 +90,7 @@ def next_tile(order: Int32, cursor, s_row_off: cute.Tensor, num_rows: Int32, exp
     kind = Int32(0)
     p = Int32(0)
     n = Int32(0)
+    e = Int32(0)
     if order == WAVE:
         num_waves = (Int32(num_experts) + experts_per_wave - 1) // experts_per_wave
         searching = Int32(1)
@@ -123,6 +109,7 @@ def next_tile(order: Int32, cursor, s_row_off: cute.Tensor, num_rows: Int32, exp
                                             b * experts_per_wave, e1)
                 found = Int32(1)
                 searching = Int32(0)
+                e = e1
                 a = a + grid
                 i1 = i1 + 1
             else:
@@ -147,6 +134,7 @@ def next_tile(order: Int32, cursor, s_row_off: cute.Tensor, num_rows: Int32, exp
             if b < end2 and p2 + lead <= p1:
                 kind = Int32(KIND_L2)
                 p = row2
+                e = e2
                 n = 2 * pair2 + r
                 b = b + G
                 i2 = i2 + 1
@@ -156,13 +144,14 @@ def next_tile(order: Int32, cursor, s_row_off: cute.Tensor, num_rows: Int32, exp
             else:
                 kind = Int32(KIND_L1)
                 p = row1
+                e = e1
                 n = 2 * pair1 + r
                 a = a + G
                 i1 = i1 + 1
                 if n < n1:
                     found = Int32(1)
                     searching = Int32(0)
-    return found, kind, p, n, (a, b, c, d, e1, e2, i1, i2)
+    return found, kind, p, n, e, (a, b, c, d, e1, e2, i1, i2)
 
 
 @cute.jit
@@ -183,5 +172,5 @@ def lead_rows(lead: float) -> int:
     return int(math.ceil(lead))
 
 
-__all__ = ["WAVE", "INTERLEAVED", "ORDERS", "KIND_L1", "KIND_L2", "expert_of_row", "next_tile",
+__all__ = ["WAVE", "INTERLEAVED", "ORDERS", "KIND_L1", "KIND_L2", "next_tile",
            "initial_cursor", "lead_rows", "raster"]
