@@ -8,8 +8,8 @@ SHIFT_MAX (from d = 13 on every E2M1 value rounds to zero in e4m3), block-major 
 carries a stage's 128 rows x 4 runs.
 
 In the kernel, per pipeline stage, the producer's TMA brings the packed codes (128 rows x 64 bytes) and the
-shifts; each MMA thread converts one row's 64 codes of its warpgroup's 64 rows (thread t: row t // 2, K half
-t % 2): 8 codes (one 32-bit word) become 8 e4m3 bytes with two byte permutes (``prmt``) through the run's
+shifts; each MMA thread converts two (row, 32-code run) items of its warpgroup's 64 rows (a warp takes 8 whole
+rows a step, so its code loads are 2-way bank conflicted, not 8-way as with one row's K half a thread): 8 codes (one 32-bit word) become 8 e4m3 bytes with two byte permutes (``prmt``) through the run's
 8-entry table (E2M1 magnitude -> e4m3 byte at shift d, a 112-byte table in shared memory) and two for the
 signs, then 128-bit stores into the stage's e4m3 B buffer in WGMMA's 128-byte swizzle. The two warpgroups
 each need all 128 rows, so a named barrier (after the async-proxy fence) closes each stage's conversion. quack's
@@ -91,27 +91,31 @@ class W4DequantMixin:
     @cute.jit
     def dequant_stage(self, dq, stage, barrier_id: cutlass.Constexpr, num_threads: cutlass.Constexpr):
         """Stage ``stage``'s packed B block (``dq``: packed words, shift bytes, table, e4m3 B words, thread
-        0..255 of the MMA warpgroups) into e4m3, this thread's row and K half; then the fence that hands the
+        0..255 of the MMA warpgroups) into e4m3, this thread's two (row, run) items; then the fence that hands the
         generic-proxy stores to WGMMA, and the barrier both warpgroups pass before reading the block."""
         packed, shifts, lut, sB, t = dq
-        r = t // 2
-        h = t % 2
+        # (row, run) items, 2 a thread: a warp's 32 lanes take 8 whole rows (4 runs each), so its 8-byte code
+        # loads cover 512 contiguous bytes in two (2-way; the row-and-half mapping had 8-way conflicts) and a
+        # quarter-warp's stores land on 8 distinct chunks of the swizzle
+        wg, lt = t // 128, t % 128
+        lane = lt % 32
+        run = lane % 4
         atom64 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Int32, num_bits_per_copy=64)
         src = cute.make_rmem_tensor(cute.make_layout(2), Int32)
         out = cute.make_rmem_tensor(cute.make_layout(2), Int32)
         tab = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-        pair = Int32(shifts[stage * (SHIFT_STAGE_BYTES // 2) + r * 2 + h])  # runs 2h and 2h + 1 (low byte first)
-        for q in cutlass.range_constexpr(2):  # run 2h + q: K [64h + 32q, 64h + 32q + 32)
-            d = (pair >> (8 * q)) & 0xFF
+        for j in cutlass.range_constexpr(2):
+            r = wg * 64 + (lt // 32) * 16 + j * 8 + lane // 4
+            pair = Int32(shifts[stage * (SHIFT_STAGE_BYTES // 2) + r * 2 + run // 2])
+            d = (pair >> (8 * (run % 2))) & 0xFF
             cute.copy(atom64, cute.make_tensor(lut.iterator + cute.assume(2 * d, divby=2), cute.make_layout(2)), tab)
             t_lo, t_hi = tab[0], tab[1]
-            for c in cutlass.range_constexpr(2):  # 16 codes (8 bytes) -> 16 e4m3 bytes: one swizzle chunk
-                word0 = (stage * (ROWS * PACKED_ROW_BYTES // 4) + r * (PACKED_ROW_BYTES // 4) + 8 * h + 4 * q
-                         + 2 * c)
+            for c in cutlass.range_constexpr(2):  # 16 codes -> 16 e4m3 bytes: one swizzle chunk
+                word0 = stage * (ROWS * PACKED_ROW_BYTES // 4) + r * (PACKED_ROW_BYTES // 4) + 4 * run + 2 * c
                 cute.copy(atom64, cute.make_tensor(packed + cute.assume(word0, divby=2), cute.make_layout(2)), src)
-                chunk = 4 * h + 2 * q + c  # of the row's 8 chunks of 16 bytes; 128-byte swizzle: chunk ^ (row % 8)
+                chunk = 2 * run + c  # of the row's 8 chunks of 16 bytes; 128-byte swizzle: chunk ^ (row % 8)
                 dst = stage * (ROWS * K // 4) + r * (K // 4) + ((chunk ^ (r % 8)) * 4)
-                for i in cutlass.range_constexpr(2):  # 8 codes -> 8 bytes, stored at once (fewer live registers)
+                for i in cutlass.range_constexpr(2):  # 8 codes -> 8 bytes (ptxas pairs the stores)
                     w = src[i]
                     out[0] = _permute(t_lo, t_hi, w & 0x7777) | _permute(SIGN_BYTES, 0, (w >> 3) & 0x1111)
                     out[1] = (_permute(t_lo, t_hi, (w >> 16) & 0x7777)
