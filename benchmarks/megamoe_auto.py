@@ -1,13 +1,16 @@
 """The regret of ``schedule="auto"`` (megamoe.auto) on a measured ``xstage bench megamoe`` result: per row, the
-order auto picks for that shape, world and token count against the better of the two measured orders (no GPU).
+order auto picks for that shape, world, token count and routing histogram (redrawn from the row's seed) against
+the better of the two measured orders (no GPU).
 
-    python -m benchmarks.megamoe_auto benchmarks/results/h200/megamoe_bf16_147e2d5.json [--out J] [--margin M]
+    python -m benchmarks.megamoe_auto benchmarks/results/h200/megamoe_grid_bfa38e6.json [--dtype fp8] [--out J]
     python -m benchmarks.megamoe_auto benchmarks/results/h200/megamoe_matrix_w4a8_f3649cd.json  (a --matrix result)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import statistics
 
 PRESETS = {"dsv4-flash": (4096, 2048, 256, 6), "qwen3-moe": (4096, 1536, 128, 8), "dit-moe": (1152, 4608, 8, 2)}
@@ -16,25 +19,49 @@ PRESETS = {"dsv4-flash": (4096, 2048, 256, 6), "qwen3-moe": (4096, 1536, 128, 8)
 PRECISION_OF = {"bf16": "bf16", "fp8": "w8a8", "w8a8": "w8a8", "w4a8": "w4a8"}  # bench dtype -> kernel precision
 
 
+def rank_histograms(experts: int, top_k: int, world: int, tokens: int, routing: str, seed, skew=None):
+    """Each rank's rows per local expert of a measured row: its routing redrawn from the row's seed
+    (megamoe.reference.make_routing over the P * T tokens, as the benches draw it; experts split in contiguous
+    ranges), or None where the row has no seed (the expected histogram then)."""
+    if seed is None:
+        return None
+    import torch
+
+    from megamoe.reference import make_routing
+
+    kw = {"skew": skew} if skew is not None else {}
+    idx, _ = make_routing(world * tokens, experts, top_k, routing, int(seed), **kw)
+    flat = idx.reshape(-1).long()
+    counts = torch.bincount(flat[flat >= 0], minlength=experts).tolist()
+    local = experts // world
+    return tuple(tuple(counts[r * local:(r + 1) * local]) for r in range(world))
+
+
 def _regret(layer: tuple, name: str, world: int, ranks, tokens: int, routing: str, precision: str,
-            measured: dict, margin: float, sms: int) -> dict:
-    """auto's pick for one measured (wave, interleaved) pair of layer (hidden, intermediate, experts, top_k)."""
+            measured: dict, sms: int, hists) -> dict:
+    """auto's pick for one measured (wave, interleaved) pair of layer (hidden, intermediate, experts, top_k),
+    made as the API makes it: emulated ranks together from all their histograms at their token bucket."""
     from megamoe import auto
 
     hidden, intermediate, experts, top_k = layer
     # an emulated rank runs over SMs / P CTAs of the one GPU, a real rank over all of its own GPU's
     per = sms if ranks == "real" else sms // world
     grid = per - per % 2
+    ranks_per_gpu = 1 if ranks == "real" else world
     bucket = auto.token_bucket(tokens)
-    pick = auto.choose_schedule(hidden, intermediate, experts, top_k, world, bucket, grid, precision, margin)
-    pred = auto.predicted_makespans(hidden, intermediate, experts, top_k, world, bucket, grid, precision)
+    rows = None if hists is None else tuple(auto.scaled_rows(h, tokens, bucket) for h in hists)
+    gain = auto.predicted_gain(hidden, intermediate, experts, top_k, world, bucket, grid, precision, rows,
+                               ranks_per_gpu)
+    pick = "interleaved" if gain > 0.0 else "wave"
     best = min(measured.values())
     return {"shape": name, "precision": precision, "world": world, "ranks": ranks, "grid": grid,
-            "tokens_per_rank": tokens, "routing": routing, "measured_us": measured, "predicted_us": pred,
+            "tokens_per_rank": tokens, "routing": routing, "histogram": "redrawn" if hists else "expected",
+            "measured_us": measured, "predicted_gain": gain,
+            "measured_gain": math.log(measured["wave"] / measured["interleaved"]),
             "pick": pick, "better": min(measured, key=measured.get), "regret": measured[pick] / best - 1.0}
 
 
-def regrets(bench: dict, margin: float, dtype: str = "bf16", sms: int = 132) -> list[dict]:
+def regrets(bench: dict, dtype: str | None = "bf16", sms: int = 132) -> list[dict]:
     """Per measured row of an ``xstage bench megamoe`` result (its three PRESETS shapes), or per measured
     configuration of an ``xstage bench megamoe --matrix`` result (every model; ``dtype`` None: every
     precision in it)."""
@@ -46,9 +73,11 @@ def regrets(bench: dict, margin: float, dtype: str = "bf16", sms: int = 132) -> 
                 continue
             measured = {s: c[s]["us"] for s in ("wave", "interleaved")}
             routing = c["routing"] + (f"@{c['zipf_exponent']}" if c.get("zipf_exponent") else "")
+            hists = rank_histograms(c["num_experts"], c["top_k"], c["world"], c["tokens_per_rank"], c["routing"],
+                                    c.get("seed"), c.get("zipf_exponent"))
             out.append(_regret((c["hidden"], c["intermediate"], c["num_experts"], c["top_k"]), c["model"],
                                c["world"], c.get("ranks"), c["tokens_per_rank"], routing, c["precision"],
-                               measured, margin, sms))
+                               measured, sms, hists))
         return out
     out = []
     for row in bench["rows"]:
@@ -57,8 +86,11 @@ def regrets(bench: dict, margin: float, dtype: str = "bf16", sms: int = 132) -> 
         if "us" not in wave or "us" not in inter or row["shape"] not in PRESETS:
             continue
         measured = {"wave": wave["us"], "interleaved": inter["us"]}
-        out.append(_regret(PRESETS[row["shape"]], row["shape"], row["world"], row.get("ranks"),
-                           row["tokens_per_rank"], row["routing"], PRECISION_OF[dtype], measured, margin, sms))
+        layer = PRESETS[row["shape"]]
+        hists = rank_histograms(layer[2], layer[3], row["world"], row["tokens_per_rank"], row["routing"],
+                                row.get("seed"))
+        out.append(_regret(layer, row["shape"], row["world"], row.get("ranks"), row["tokens_per_rank"],
+                           row["routing"], PRECISION_OF[dtype], measured, sms, hists))
     return out
 
 
@@ -74,28 +106,24 @@ def summary(rows: list[dict]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bench", help="an xstage bench megamoe result JSON (a grid or a --matrix result)")
-    p.add_argument("--margin", type=float, default=None, help="AUTO_MARGIN to evaluate (default megamoe.auto's)")
     p.add_argument("--dtype", default=None, choices=tuple(PRECISION_OF),
                    help="the precision's columns (grid: default bf16; matrix: default every precision in it)")
     p.add_argument("--out", help="write the rows and the summary here")
     args = p.parse_args(argv)
     from megamoe import auto
 
-    margin = auto.AUTO_MARGIN if args.margin is None else args.margin
     with open(args.bench) as f:
         bench = json.load(f)
     matrix = "configurations" in bench
     dtype = args.dtype if args.dtype or matrix else "bf16"
-    rows = regrets(bench, margin, dtype)
+    rows = regrets(bench, dtype)
     if not rows:
         raise SystemExit(f"{args.bench}: no row or configuration of precision {dtype} has both orders measured")
-    result = {"bench": args.bench, "bench_commit": bench.get("provenance", {}).get("git_commit"), "margin": margin,
-              "summary": summary(rows), "rows": rows}
+    result = {"bench": args.bench, "bench_commit": bench.get("provenance", {}).get("git_commit"), "fits": {k: dataclasses.asdict(v) for k, v in auto.FITS.items()}, "summary": summary(rows), "rows": rows}
     for r in rows:
         print(f"{r['shape']:11s} {r['precision']:5s} P={r['world']} T={r['tokens_per_rank']:5d} {r['routing']:8s} pick {r['pick']:11s} "
-              f"better {r['better']:11s} regret {100 * r['regret']:5.2f}%  (pred int/wave "
-              f"{r['predicted_us']['interleaved'] / max(r['predicted_us']['wave'], 1e-9):.3f}, measured "
-              f"{r['measured_us']['interleaved'] / r['measured_us']['wave']:.3f})")
+              f"better {r['better']:11s} regret {100 * r['regret']:5.2f}%  (wave/int predicted "
+              f"{math.exp(r['predicted_gain']):.3f}, measured {math.exp(r['measured_gain']):.3f})")
     print(json.dumps(result["summary"]))
     if args.out:
         with open(args.out, "w") as f:

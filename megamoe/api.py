@@ -134,6 +134,46 @@ class _RankState:
         return [self.bases[j] + self.offsets[n] for n in self.SYMMETRIC for j in range(world)]
 
 
+class RoutingHistory:
+    """The previous launch's rows per local expert for schedule="auto", without a host sync: after a launch, an
+    asynchronous copy of ``counts`` into pinned memory and an event; ``latest`` reads it once the event has
+    passed. The kernel leaves a launch's counts in the half of its epoch's parity and zeroes the other half at
+    its start, so the halves' sum is the histogram (at real ranks a peer's next launch may already count into
+    the other half: a blend of two launches, which only steers the heuristic). Not recorded while a CUDA graph
+    is captured (a replayed graph runs the order resolved at capture)."""
+
+    def __init__(self, counts: torch.Tensor):
+        self.counts = counts
+        self.host = torch.zeros(counts.numel(), dtype=counts.dtype, pin_memory=counts.is_cuda)
+        self.event = torch.cuda.Event() if counts.is_cuda else None
+        self.pending_tokens = None
+        self.rows, self.tokens = None, None
+
+    def capturing(self) -> bool:
+        return self.counts.is_cuda and torch.cuda.is_current_stream_capturing()
+
+    def record(self, tokens: int) -> None:
+        """After a launch of ``tokens`` rows on the current stream (skipped while the last copy is in flight)."""
+        if self.capturing():
+            return
+        self.latest()
+        if self.pending_tokens is not None:
+            return
+        self.host.copy_(self.counts, non_blocking=self.counts.is_cuda)
+        if self.event is not None:
+            self.event.record()
+        self.pending_tokens = int(tokens)
+
+    def latest(self) -> tuple[tuple[int, ...] | None, int | None]:
+        """(rows per local expert, the launch's tokens) of the newest landed copy, or (None, None)."""
+        # no event query while a graph is captured (CUDA forbids it there; torch's allocator defers its own too)
+        if self.pending_tokens is not None and not self.capturing() and (self.event is None or self.event.query()):
+            half = self.host.numel() // 2
+            self.rows = tuple((self.host[:half] + self.host[half:]).tolist())
+            self.tokens, self.pending_tokens = self.pending_tokens, None
+        return self.rows, self.tokens
+
+
 def peer_table(states: list[_RankState], device) -> torch.Tensor:
     """The (SYMMETRIC x world) Int64 address table of ranks whose buffers are in one process (emulation)."""
     cols = [s.addresses() for s in states]
@@ -194,7 +234,8 @@ def w4a8_kernel_weights(w: torch.Tensor, gate_up: bool, device, chunk: int = 8):
 
 class MegaMoE:
     """One MoE layer on one rank of ``group`` (None: world size 1). ``schedule``: "interleaved" (Algorithm 1),
-    "wave" (expert waves) or "auto" (megamoe.auto picks one per token count from the model), also per call; ``lead``: Algorithm 1's D in rows (None: schedule.d_lead, eq. 16's
+    "wave" (expert waves) or "auto" (megamoe.auto picks one from the model and the previous call's routing
+    histogram), also per call; ``lead``: Algorithm 1's D in rows (None: schedule.d_lead, eq. 16's
     knee widened by the L2/L1 mainloop ratio);
     ``instrument``: per-tile records (``last_dump``); ``num_sms``: CTAs of the persistent grid (default: every
     SM; it must be even for the interleaved order's CTA pairs)."""
@@ -228,6 +269,13 @@ class MegaMoE:
         self.m_group = sched.row_group_size(self.precision)  # the walk's row groups (RankWork.raster)
         self.state = _RankState(hidden, intermediate, top_k, self.num_local, self.world, max_tokens_per_rank,
                                 self.grid, self.device, group if _rank_world is None else None, self.fp8)
+        # schedule="auto": ranks emulated on one GPU share its L2 (megamoe.auto's locality cost)
+        self.ranks_per_gpu = self.world if _rank_world is not None else 1
+        from megamoe.auto import L2_BYTES
+
+        self.l2_bytes = float(getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or L2_BYTES)
+        self.history = RoutingHistory(self.state.counts)
+        self.auto_picks: dict = {}
         self.peer_ptrs = None
         if self.state.bases is not None:
             self.peer_ptrs = torch.tensor(self.state.peer_addresses(self.world), dtype=torch.int64,
@@ -335,16 +383,28 @@ class MegaMoE:
             self.records = torch.zeros(self.grid * (tiles_per_cta * REC_FIELDS + PHASE_FIELDS), dtype=torch.int64,
                                        device=self.device)
 
-    def resolve_schedule(self, tokens: int, schedule: str | None = None) -> str:
-        """The order a launch of ``tokens`` runs: ``schedule`` or the layer's; "auto" asks megamoe.auto (once
-        per token bucket: the model's replay at the expected histogram, no host sync)."""
+    def resolve_schedule(self, tokens: int, schedule: str | None = None, peers=None) -> str:
+        """The order a launch of ``tokens`` runs: ``schedule`` or the layer's; "auto" asks megamoe.auto with the
+        previous launch's routing histogram of this rank (or of every layer in ``peers``: ranks emulated
+        together decide together) from ``RoutingHistory`` (no host sync; before the first, the expected one),
+        once per token bucket and histogram class (``auto.skew_class``)."""
         name = schedule or self.schedule
-        if name == "auto":
-            from megamoe import auto
+        if name != "auto":
+            return name
+        from megamoe import auto
 
-            name = auto.choose_schedule(self.hidden, self.intermediate, self.num_experts, self.top_k, self.world,
-                                        auto.token_bucket(tokens), self.grid, self.precision)
-        return name
+        bucket = auto.token_bucket(tokens)
+        seen = [p.history.latest() for p in (peers or [self])]
+        if any(rows is None for rows, _ in seen):
+            key, rank_rows = (bucket, None), None
+        else:
+            key = (bucket, tuple(auto.skew_class(rows) for rows, _ in seen))
+            rank_rows = tuple(auto.scaled_rows(rows, t, bucket) for rows, t in seen)
+        if key not in self.auto_picks:
+            self.auto_picks[key] = auto.choose_schedule(
+                self.hidden, self.intermediate, self.num_experts, self.top_k, self.world, bucket, self.grid,
+                self.precision, rank_rows, self.ranks_per_gpu, self.l2_bytes)
+        return self.auto_picks[key]
 
     def launch(self, x, topk_idx, topk_weights, y, schedule=None, peer_ptrs=None):
         """One launch on the current stream (no checks, no allocation: ``forward`` checks)."""
@@ -361,6 +421,8 @@ class MegaMoE:
                     st.pool_scale, st.inter_scale, self.w1_scale, self.w2_scale, self.w1_shift, self.w2_shift,
                     self.rank, self.world, self.max_tokens, order, self.experts_per_wave(x.shape[0]),
                     self.lead_rows, self.m_group, self.grid, TIMEOUT_NS, self.rec_cap)
+        if (schedule or self.schedule) == "auto":
+            self.history.record(x.shape[0])
 
     def forward(self, x, topk_idx, topk_weights, schedule: str | None = None) -> torch.Tensor:
         if schedule is not None:
@@ -442,11 +504,16 @@ class EmulatedMoE:
         for m, x, i, w in zip(self.ranks, xs, idxs, weights):
             m.check_inputs(x, i, w)
         ys = [torch.empty_like(x) for x in xs]
+        auto = (schedule or self.ranks[0].schedule) == "auto"
+        if auto:  # one order for all ranks, from all their histograms
+            schedule = self.ranks[0].resolve_schedule(max(x.shape[0] for x in xs), "auto", peers=self.ranks)
         main = torch.cuda.current_stream()
         for m, s, x, i, w, y in zip(self.ranks, self.streams, xs, idxs, weights, ys):
             s.wait_stream(main)
             with torch.cuda.stream(s):
                 m.launch(x, i, w, y, schedule)
+                if auto:
+                    m.history.record(x.shape[0])
         for s in self.streams:
             main.wait_stream(s)
         return ys

@@ -1,58 +1,61 @@
-"""``schedule="auto"``: wave or interleaved from the model, decided once per layer shape and token count.
+"""``schedule="auto"``: wave or interleaved from the model, per launch, from the routing histogram.
 
-The rule (issue 30, item 5): replay both orders with ``megamoe.simulate`` on the routing histogram expected at
-launch (every local expert at the mean rows, T * top_k * P / E: known without a host sync, the same for every
-routing of that token count) with measured tile costs, and take the order predicted at least ``AUTO_MARGIN``
-faster. The costs fold each tile's exposed epilogue into its mainloop. With local stores (one GPU, or P ranks
-emulated on one) X-stage backpressure plays no part and what the replay sees is the dependency waits and the
-waves' ragged ends.
+The rule (issue 30, item 5). Replay both orders with ``megamoe.simulate`` on the routing histogram (rows per local
+expert: the previous call's, which ``megamoe.api`` copies to the host without a sync; the expected one, every
+expert at T * top_k * P / E rows, before the first call) with the measured tile costs below, and turn the
+replayed ratio into a predicted gain of interleaving with a locality cost:
 
-Where neither replay is ``AUTO_MARGIN`` faster, ``tie_break`` decides: wave for bf16, interleaved for W8A8 and
-W4A8. On the current kernel's grids (bfa38e6: ``megamoe_grid{,1024}_bfa38e6.json``) and the W4A8 matrix
-(``megamoe_matrix_w4a8_f3649cd.json``: 7 models x 2 routings x 4096/8192 tokens x world 1 and emulated 2) the
-regret is at most 0.9% / 2.8% (1024 tokens) for bf16, 2.9% / 2.0% for W8A8 and 2.0% for W4A8
-(``megamoe_auto_regret_*_f3649cd.json``; the margin and the bf16 tie-break were chosen on these same files:
-docs/FINDINGS.md, megamoe auto tie-break). History below.
+    ln(T_wave / T_interleaved) = a * ln(replayed T_wave / T_interleaved) + b - c * L,
+    L = (one expert's weight bytes at this precision) * (ranks that share the GPU's L2) / L2 bytes,
 
-Earlier evaluations (``python -m benchmarks.megamoe_auto RESULT.json [--dtype fp8]``) on the staged-epilogue kernel's
-grid (``megamoe_grid_916b5e8.json``: 3 shapes x 1024/4096/8192 tokens x balanced/skewed x world 1 and emulated
-2, one H200): the regret of its pick against the better measured order is at most 3.7% for bf16 (mean 0.4%;
-always-wave 27%, always-interleaved 9.9%) and 1.4% for W8A8 (mean 0.2%; always-interleaved 1.1%)
-(``megamoe_auto_regret_{bf16,fp8}_916b5e8.json``). The bf16 worst rows are near ties the replay cannot see
-(Qwen3-MoE at 1024 tokens, P = 2: 3.7%; DiT-MoE at 8192, world 1: 3.4%). The first call of a token bucket
-replays both orders on the host (up to ~1 s at DSv4-Flash's 256 experts); later calls reuse the decision.
-On the grid after the W8A8 promotion units (``megamoe_grid_c19b293.json``) the bf16 regret is still at most
-3.7%, W8A8's 5.7% (mean 0.9%; always-interleaved 4.7%): the replay below still costs W8A8 at twice the bf16
-rate and picks wave at emulated P = 2 DiT-MoE, where interleaved is now 4-6% faster (refitting these costs
-to the new kernel is open work: issue 30). After the tail drain (``megamoe_grid_bd00a6a.json`` with its 1024-token
-companion) the regret is 4.5% / 5.0% (1024 tokens) for bf16 and 8.1% / 1.3% for W8A8, the worst rows emulated
-P = 2 DiT-MoE again; the dump's W8A8 rates (1.78x / 1.56x bf16, epilogues 0.9 / 0.4 us) in place of these costs
-flip no pick there: the replay predicts wave 3.5% faster where interleaved measures 2-8% faster. With the
-margin at 5% (below) such near-ties go to the tie-break: W8A8 max regret 1.3% (1.5% at 1024 tokens), bf16
-unchanged (``megamoe_auto_regret{,1024}_{bf16,fp8}_m05_bd00a6a.json``).
+interleaved where the gain is positive. The replay carries eq. (14)'s X-stage backpressure (from the platform
+profile), the dependency waits and the waves' ragged ends; with local stores (one GPU, or P ranks emulated on one)
+backpressure plays no part. ``L`` is the locality cost: interleaving keeps a wave's Linear-2 weights and the next
+wave's Linear-1 weights in flight together, and P ranks emulated on one GPU share its L2 (``a`` < 1: the replay
+over-predicts order effects the kernel's latency hiding absorbs; ``b``: what interleaving gains where the replay
+sees a tie).
+
+``FITS``: least squares of the measured ln(T_wave / T_int) on the two terms, over the bf16 and W8A8 matrix
+at 87d2fbe (``megamoe_matrix_bf16_w8a8_87d2fbe.json``: 7 models x balanced / skewed x 4096 / 8192 tokens x world
+1 and emulated 2, one H200); W4A8 takes the FP8 fit (the same FP8 mainloop; only its weight bytes differ). Max
+regret against the better measured order (``python -m benchmarks.megamoe_auto``; ``megamoe_auto_regret_hist_*``):
+on that matrix (in-sample) bf16 2.4%, W8A8 3.7%; on its replicate at 024f989 (80 configurations, another run and
+the kernel after the walk change) 3.8% / 2.8%; on the W4A8 matrix (f3649cd, not fitted on) 2.0%; on the bfa38e6
+grids 2.9% / 2.9% (0.8% / 3.7% at 1024 tokens). Four of those 320 evaluations are past 3%, at 3.6-3.8%: the
+measured ratio itself moved by up to 3.8% between the two matrix runs (median 0.9%). The rule it replaced (the
+replay at the expected histogram, a 3.5% margin, ties to wave for bf16) was 10.7% / 11.5% behind in bf16 on the
+two matrix runs (docs/FINDINGS.md, MegaMoE, "auto from the routing histogram").
 """
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 from megamoe import schedule as sched
 
-# The replay's predicted interleaved / wave ratio missed the measured one by up to ~0.1 on the bd00a6a grid (DiT-MoE:
-# 0.68 against 0.77-0.79 at 1024 tokens; 1.04 against 0.93 at emulated P = 2, 8192, W8A8), so it decides only a
-# predicted gain of a few percent (bd00a6a, at 1%: W8A8 max regret 8.1%; at 5%: 1.3%). 3.5% since f3649cd: the
-# same bf16 and W8A8 worst rows on the bfa38e6 grids as 5%, and W4A8's emulated P = 2 DiT-MoE at 8192 tokens
-# (predicted wave 3.7% faster, measured 3.0-3.3%) decided (W4A8 max regret 3.3% -> 2.0%; docs/FINDINGS.md)
-AUTO_MARGIN = 0.035
 # This kernel's bf16 tile costs on one H200 (147e2d5, megamoe_dump_P2_147e2d5_summary.json): the mainloops run
 # at ~671 TFLOP/s over 132 SMs (DSv4-Flash L2 tiles: 13.2 us for 2 * 128 * 128 * 2048 FLOP); the epilogues,
 # which the MMA warpgroups run themselves, about 1.0 us (L1: SwiGLU, intermediate stores, the counter) and
-# 3.4 us (L2: staging plus the Combine's stores, T_RS 2.5-3.4 us). Kept after the staged epilogue (cb8aea6):
-# the costs measured then (~720 TFLOP/s bf16, W8A8 1.35x, epilogues 0.9 / 0.3 us) picked worse on the 916b5e8
-# grid (W8A8 max regret 6.8% against 1.4%; docs/FINDINGS.md, megamoe auto costs).
+# 3.4 us (L2: staging plus the Combine's stores, T_RS 2.5-3.4 us). Re-measured costs picked worse before the
+# fit absorbed the replay's scale (docs/FINDINGS.md, megamoe auto costs); the fit below is on these.
 MMA_TFLOPS_PER_SM = 671.0 / 132
 L1_EPILOGUE_US = 1.0
 L2_EPILOGUE_US = 3.4
+L2_BYTES = 50 * 2**20  # the H200's 50 MiB (the fit's; the API passes the device's own L2 size)
+WEIGHT_BYTES = {"bf16": 2.0, "w8a8": 1.0, "w4a8": 0.5}  # per weight element as the kernel reads it from HBM
+
+
+@dataclass(frozen=True)
+class AutoFit:
+    replay: float  # a: weight of the replayed ln ratio
+    bias: float  # b: interleaving's gain where the replay sees a tie
+    locality: float  # c: cost per L2-full of one expert's weights times the ranks sharing the L2
+
+
+# fitted on megamoe_matrix_bf16_w8a8_87d2fbe.json (module docstring); W4A8 runs W8A8's FP8 mainloop
+FITS = {"bf16": AutoFit(0.7025, 0.0149, 0.0344), "w8a8": AutoFit(0.9303, 0.0505, 0.0537)}
+FITS["w4a8"] = FITS["w8a8"]
 
 
 def tile_costs(shape: sched.MoEShape, precision: str = "bf16"):
@@ -63,23 +66,31 @@ def tile_costs(shape: sched.MoEShape, precision: str = "bf16"):
     return TileCosts(base.t_mma_l1_us + L1_EPILOGUE_US, base.t_mma_l2_us + L2_EPILOGUE_US)
 
 
+def expected_rows(num_experts: int, top_k: int, world: int, tokens: int) -> tuple[int, ...]:
+    """Rows per local expert when routing is balanced: T * top_k * P / E each."""
+    local = num_experts // world
+    return (int(round(tokens * top_k * world / num_experts)),) * local
+
+
 @functools.lru_cache(maxsize=256)
 def predicted_makespans(hidden: int, intermediate: int, num_experts: int, top_k: int, world: int, tokens: int,
-                        grid: int, precision: str = "bf16") -> dict:
-    """Both orders' replayed makespans (us) for one rank at the expected histogram of ``tokens`` per rank."""
+                        grid: int, precision: str = "bf16", rows_per_expert: tuple[int, ...] | None = None) -> dict:
+    """Both orders' replayed makespans (us) for one rank: ``rows_per_expert`` (its local experts' rows; None:
+    ``expected_rows``)."""
     from calibrate import profile as prof
     from megamoe import simulate as sim
 
     shape = sched.MoEShape(hidden, intermediate)
-    local = num_experts // world
-    mean = tokens * top_k * world / num_experts
-    work = sched.RankWork(shape, (int(round(mean)),) * local)
-    costs = tile_costs(shape, precision)
-    profile = prof.load_builtin(prof.default_profile_name())
-    epw = sched.expert_wave_size(local, mean, shape.l1_n_blocks, shape.block_m, grid)
-    lead = math.ceil(sched.d_lead(shape, grid))
+    rows = expected_rows(num_experts, top_k, world, tokens) if rows_per_expert is None else tuple(rows_per_expert)
+    if len(rows) != num_experts // world:
+        raise ValueError(f"rows_per_expert has {len(rows)} entries, this rank has {num_experts // world} experts")
+    work = sched.RankWork(shape, rows)
     if work.num_rows == 0:
         return {"wave": 0.0, "interleaved": 0.0}
+    costs = tile_costs(shape, precision)
+    profile = prof.load_builtin(prof.default_profile_name())
+    epw = sched.expert_wave_size(len(rows), sum(rows) / len(rows), shape.l1_n_blocks, shape.block_m, grid)
+    lead = math.ceil(sched.d_lead(shape, grid))
     groups = sched.row_group_size(precision)  # the walk the kernel runs
     return {"wave": sim.simulate(work, sched.expert_wave_order(work, grid, epw, m_group=groups), costs, profile,
                                  1).makespan_us,
@@ -87,27 +98,59 @@ def predicted_makespans(hidden: int, intermediate: int, num_experts: int, top_k:
                                         profile, 1).makespan_us}
 
 
-def tie_break(precision: str, world: int) -> str:
-    """The order taken when neither replay is ``margin`` faster (one H200, local stores): wave for bf16 (at
-    world > 1 the ranks' doubled weight traffic made it up to 10% faster at 916b5e8; since the bf16 row-group
-    walk, bfa38e6, also at world 1: up to 7.7% at DiT-MoE 8192 tokens, where the replay sees a tie), else
-    interleaved (W8A8 and W4A8: within 2.9% of the better order wherever the replay ties). ``world`` stays in the
-    signature for the multi-GPU issue's refit."""
-    return "wave" if precision == "bf16" else "interleaved"
+def locality_cost(hidden: int, intermediate: int, precision: str, ranks_per_gpu: int = 1,
+                  l2_bytes: float = L2_BYTES) -> float:
+    """L: one expert's three weight matrices (gate, up, down) at the precision's bytes, times the ranks sharing
+    the L2, over the L2's bytes."""
+    return 3.0 * hidden * intermediate * WEIGHT_BYTES[precision] * ranks_per_gpu / l2_bytes
+
+
+def predicted_gain(hidden: int, intermediate: int, num_experts: int, top_k: int, world: int, tokens: int,
+                   grid: int, precision: str = "bf16", rank_rows=None, ranks_per_gpu: int = 1,
+                   l2_bytes: float = L2_BYTES) -> float:
+    """The predicted ln(T_wave / T_interleaved) (> 0: interleaving pays); the module docstring's formula.
+    ``rank_rows``: the histograms (rows per local expert) of the ranks the decision covers, one per rank (a
+    real rank its own; emulated ranks all of theirs); each order's makespan is the slowest rank's. None: one
+    rank at ``expected_rows``."""
+    if precision not in FITS:
+        raise ValueError(f"precision must be one of {', '.join(FITS)}, got {precision!r}")
+    hists = [None] if rank_rows is None else [tuple(r) for r in rank_rows]
+    ms = [predicted_makespans(hidden, intermediate, num_experts, top_k, world, tokens, grid, precision, h)
+          for h in hists]
+    wave, inter = max(m["wave"] for m in ms), max(m["interleaved"] for m in ms)
+    if wave <= 0.0 or inter <= 0.0:
+        return 0.0
+    fit = FITS[precision]
+    return (fit.replay * math.log(wave / inter) + fit.bias
+            - fit.locality * locality_cost(hidden, intermediate, precision, ranks_per_gpu, l2_bytes))
 
 
 def choose_schedule(hidden: int, intermediate: int, num_experts: int, top_k: int, world: int, tokens: int,
-                    grid: int, precision: str = "bf16", margin: float = AUTO_MARGIN) -> str:
-    """The order whose replay is at least ``margin`` faster than the other's, else ``tie_break``'s."""
-    m = predicted_makespans(hidden, intermediate, num_experts, top_k, world, tokens, grid, precision)
-    if m["interleaved"] < (1.0 - margin) * m["wave"]:
-        return "interleaved"
-    if m["wave"] < (1.0 - margin) * m["interleaved"]:
-        return "wave"
-    return tie_break(precision, world)
+                    grid: int, precision: str = "bf16", rank_rows=None, ranks_per_gpu: int = 1,
+                    l2_bytes: float = L2_BYTES) -> str:
+    """"interleaved" where ``predicted_gain`` is positive, else "wave"."""
+    gain = predicted_gain(hidden, intermediate, num_experts, top_k, world, tokens, grid, precision, rank_rows,
+                          ranks_per_gpu, l2_bytes)
+    return "interleaved" if gain > 0.0 else "wave"
 
 
 def token_bucket(tokens: int) -> int:
     """The token count a decision is cached under: rounded up to a multiple of 256 (a decision per bucket,
     not per count, keeps the replays off a serving loop's path after warm-up)."""
     return max(256, -(-tokens // 256) * 256)
+
+
+def skew_class(rows_per_expert) -> int:
+    """A histogram's class for the decision cache: round(2 log2(max / mean)), 0 for balanced routing (the
+    matrix's balanced histograms: max / mean 1.02-1.30; its Zipf 1.2 ones: 2.8-54)."""
+    rows = list(rows_per_expert)
+    total = sum(rows)
+    if total <= 0:
+        return 0
+    return max(0, round(2.0 * math.log2(max(rows) * len(rows) / total)))
+
+
+def scaled_rows(rows_per_expert, from_tokens: int, to_tokens: int) -> tuple[int, ...]:
+    """A histogram seen at ``from_tokens`` tokens per rank, rescaled to ``to_tokens`` (its shape kept)."""
+    f = to_tokens / max(from_tokens, 1)
+    return tuple(int(round(r * f)) for r in rows_per_expert)

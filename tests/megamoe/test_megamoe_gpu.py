@@ -327,7 +327,12 @@ def test_auto_schedule_runs_the_order_it_resolves_to(seed):
     w1, w2 = _weights(8, SMALL["hidden"], SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
     x, idx, w = _inputs(300, 8, 2, "balanced", seed, SMALL["hidden"])
-    picked = moe.resolve_schedule(300)
+    picked = moe.resolve_schedule(300)  # before any launch: the expected histogram
     assert picked in ("wave", "interleaved")
     assert torch.equal(moe.forward(x, idx, w), moe.forward(x, idx, w, picked)), f"seed={seed}"
     moe.check_errors()
+    # the auto launch left its routing histogram for the next decision (copied without a sync)
+    torch.cuda.synchronize()
+    rows, tokens = moe.history.latest()
+    assert tokens == 300 and rows == tuple(torch.bincount(idx.flatten().long().cpu(), minlength=8).tolist()), seed
+    assert moe.resolve_schedule(300) in ("wave", "interleaved")
