@@ -475,7 +475,7 @@ def test_regret_tool_uses_a_whole_gpu_per_real_rank(tmp_path):
 
     row = {"shape": "dit-moe", "world": 2, "tokens_per_rank": 4096, "routing": "skewed",
            "columns": {"ours_bf16_wave": {"us": 900.0}, "ours_bf16_interleaved": {"us": 800.0}}}
-    rows = megamoe_auto.regrets({"rows": [{**row, "ranks": "real"}, {**row, "ranks": "emulated"}]}, 0.0)
+    rows = megamoe_auto.regrets({"rows": [{**row, "ranks": "real"}, {**row, "ranks": "emulated"}]}, "bf16")
     assert [(r["ranks"], r["grid"]) for r in rows] == [("real", 132), ("emulated", 66)]
 
 
