@@ -25,14 +25,11 @@ def rank_histograms(experts: int, top_k: int, world: int, tokens: int, routing: 
     ranges), or None where the row has no seed (the expected histogram then)."""
     if seed is None:
         return None
-    import torch
-
-    from megamoe.reference import make_routing
+    from megamoe.reference import expert_counts, make_routing
 
     kw = {"skew": skew} if skew is not None else {}
     idx, _ = make_routing(world * tokens, experts, top_k, routing, int(seed), **kw)
-    flat = idx.reshape(-1).long()
-    counts = torch.bincount(flat[flat >= 0], minlength=experts).tolist()
+    counts = expert_counts(idx, experts).tolist()
     local = experts // world
     return tuple(tuple(counts[r * local:(r + 1) * local]) for r in range(world))
 
@@ -52,7 +49,7 @@ def _regret(layer: tuple, name: str, world: int, ranks, tokens: int, routing: st
     rows = None if hists is None else tuple(auto.scaled_rows(h, tokens, bucket) for h in hists)
     gain = auto.predicted_gain(hidden, intermediate, experts, top_k, world, bucket, grid, precision, rows,
                                ranks_per_gpu)
-    pick = "interleaved" if gain > 0.0 else "wave"
+    pick = auto.schedule_for_gain(gain)
     best = min(measured.values())
     return {"shape": name, "precision": precision, "world": world, "ranks": ranks, "grid": grid,
             "tokens_per_rank": tokens, "routing": routing, "histogram": "redrawn" if hists else "expected",
@@ -119,7 +116,9 @@ def main(argv=None) -> int:
     rows = regrets(bench, dtype)
     if not rows:
         raise SystemExit(f"{args.bench}: no row or configuration of precision {dtype} has both orders measured")
-    result = {"bench": args.bench, "bench_commit": bench.get("provenance", {}).get("git_commit"), "fits": {k: dataclasses.asdict(v) for k, v in auto.FITS.items()}, "summary": summary(rows), "rows": rows}
+    result = {"bench": args.bench, "bench_commit": bench.get("provenance", {}).get("git_commit"),
+              "fits": {k: dataclasses.asdict(v) for k, v in auto.FITS.items()}, "summary": summary(rows),
+              "rows": rows}
     for r in rows:
         print(f"{r['shape']:11s} {r['precision']:5s} P={r['world']} T={r['tokens_per_rank']:5d} {r['routing']:8s} pick {r['pick']:11s} "
               f"better {r['better']:11s} regret {100 * r['regret']:5.2f}%  (wave/int predicted "

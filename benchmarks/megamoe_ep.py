@@ -163,12 +163,13 @@ def ep_stats(topk_idx_all, num_experts: int, world: int) -> dict:
     receive, experts touched per rank, and dispatch_rows[j][d], the rows rank j sends to rank d (d = j: stays)."""
     import torch
 
+    from megamoe.reference import expert_counts
+
     local = num_experts // world
     flat = topk_idx_all.reshape(world, -1).long()
     dest = torch.where(flat >= 0, torch.div(flat, local, rounding_mode="floor"), world)
     dispatch = [[int((dest[j] == d).sum()) for d in range(world)] for j in range(world)]
-    valid = flat[flat >= 0]
-    counts = torch.bincount(valid, minlength=num_experts).view(world, local)
+    counts = expert_counts(topk_idx_all, num_experts).view(world, local)
     total = sum(map(sum, dispatch))
     remote = total - sum(dispatch[j][j] for j in range(world))
     return {"tokens_by_rank": [flat.shape[1] // topk_idx_all.shape[1]] * world,

@@ -258,7 +258,8 @@ class MegaMoE:
         self.num_experts, self.top_k, self.hidden, self.intermediate = num_experts, top_k, hidden, intermediate
         self.num_local = num_experts // self.world
         self.max_tokens, self.schedule, self.instrument = max_tokens_per_rank, schedule, bool(instrument)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        props = torch.cuda.get_device_properties(self.device)
+        sms = props.multi_processor_count
         grid = sms if num_sms is None else int(num_sms)
         if not 2 <= grid <= sms:
             raise ValueError(f"num_sms must be in 2..{sms} (one CTA per SM), got {num_sms}")
@@ -273,7 +274,7 @@ class MegaMoE:
         self.ranks_per_gpu = self.world if _rank_world is not None else 1
         from megamoe.auto import L2_BYTES
 
-        self.l2_bytes = float(getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or L2_BYTES)
+        self.l2_bytes = float(getattr(props, "L2_cache_size", 0) or L2_BYTES)
         self.history = RoutingHistory(self.state.counts)
         self.auto_picks: dict = {}
         self.peer_ptrs = None

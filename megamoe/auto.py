@@ -128,9 +128,13 @@ def predicted_gain(hidden: int, intermediate: int, num_experts: int, top_k: int,
 def choose_schedule(hidden: int, intermediate: int, num_experts: int, top_k: int, world: int, tokens: int,
                     grid: int, precision: str = "bf16", rank_rows=None, ranks_per_gpu: int = 1,
                     l2_bytes: float = L2_BYTES) -> str:
-    """"interleaved" where ``predicted_gain`` is positive, else "wave"."""
-    gain = predicted_gain(hidden, intermediate, num_experts, top_k, world, tokens, grid, precision, rank_rows,
-                          ranks_per_gpu, l2_bytes)
+    """``schedule_for_gain`` of ``predicted_gain``."""
+    return schedule_for_gain(predicted_gain(hidden, intermediate, num_experts, top_k, world, tokens, grid, precision,
+                                            rank_rows, ranks_per_gpu, l2_bytes))
+
+
+def schedule_for_gain(gain: float) -> str:
+    """"interleaved" where the predicted ln(T_wave / T_interleaved) is positive, else "wave"."""
     return "interleaved" if gain > 0.0 else "wave"
 
 

@@ -65,10 +65,15 @@ def make_routing(num_tokens: int, num_experts: int, top_k: int, mode: str = "bal
     return idx.to(device=device, dtype=torch.int32).contiguous(), weights.to(device=device, dtype=torch.float32)
 
 
+def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(num_experts,) int64: the rows each expert receives (entries of -1 skipped)."""
+    flat = topk_idx.reshape(-1).long()
+    return torch.bincount(flat[flat >= 0], minlength=num_experts)
+
+
 def routing_stats(topk_idx: torch.Tensor, num_experts: int) -> dict:
     """Routed rows (entries != -1), experts that received a row, and the busiest expert's rows."""
-    flat = topk_idx.reshape(-1).long()
-    counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
+    counts = expert_counts(topk_idx, num_experts)
     return {"rows": int(counts.sum()), "experts_touched": int((counts > 0).sum()),
             "max_rows_per_expert": int(counts.max()) if counts.numel() else 0}
 
