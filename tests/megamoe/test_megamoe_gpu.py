@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper: sm_90a)")]
 
 SMALL = dict(hidden=1152, intermediate=512)  # 9 L2 N blocks: the interleaved order's odd-count pair slot
+PAIRED = 1024  # a hidden size of 8 L2 N blocks: FP8 kernels run CTA pairs that multicast A (MegaMoEForward.cluster_n)
 
 
 def _weights(num_experts, hidden, intermediate, seed):
@@ -82,11 +83,10 @@ def _close(y, ref, what, rel_tol=1e-2, worst_tol=3e-2):
     assert rel <= rel_tol and worst <= worst_tol, f"{what}: relative error {rel:.3g}, worst {worst:.3g}"
 
 
-def _layer(num_experts, top_k, tokens, **kw):
+def _layer(num_experts, top_k, tokens, hidden=SMALL["hidden"], **kw):
     from megamoe.api import MegaMoE
 
-    return MegaMoE(None, num_experts, top_k, SMALL["hidden"], SMALL["intermediate"],
-                   max_tokens_per_rank=max(tokens, 1), **kw)
+    return MegaMoE(None, num_experts, top_k, hidden, SMALL["intermediate"], max_tokens_per_rank=max(tokens, 1), **kw)
 
 
 @pytest.mark.parametrize("tokens,num_experts,top_k,mode,drop", [
@@ -281,18 +281,22 @@ def _quantized(precision):
             "w4a8": ("w4a8", _weights_w4, _reference_w4)}[precision]
 
 
-@pytest.mark.parametrize("precision,tokens,num_experts,top_k,mode", [
-    ("w8a8", 300, 8, 2, "balanced"), ("w8a8", 1000, 16, 6, "skewed"), ("w8a8", 129, 8, 1, "one_expert"),
-    ("w4a8", 300, 8, 2, "balanced"), ("w4a8", 1000, 16, 6, "skewed"), ("w4a8", 129, 8, 1, "one_expert"),
-    ("w4a8", 200, 16, 8, "balanced")])
-def test_quantized_world1_matches_the_quantized_reference(seed, precision, tokens, num_experts, top_k, mode):
+@pytest.mark.parametrize("precision,tokens,num_experts,top_k,mode,hidden", [
+    ("w8a8", 300, 8, 2, "balanced", 1152), ("w8a8", 1000, 16, 6, "skewed", 1152),
+    ("w8a8", 129, 8, 1, "one_expert", 1152), ("w4a8", 300, 8, 2, "balanced", 1152),
+    ("w4a8", 1000, 16, 6, "skewed", 1152), ("w4a8", 129, 8, 1, "one_expert", 1152),
+    ("w4a8", 200, 16, 8, "balanced", 1152), ("w8a8", 1000, 16, 6, "skewed", PAIRED),
+    ("w8a8", 129, 8, 1, "one_expert", PAIRED), ("w8a8", 1, 8, 2, "balanced", PAIRED),
+    ("w4a8", 300, 8, 2, "balanced", PAIRED)])
+def test_quantized_world1_matches_the_quantized_reference(seed, precision, tokens, num_experts, top_k, mode,
+                                                           hidden):
     """W8A8 / W4A8 against the reference under the same quantization, at W8A8's tolerance; both schedules the
-    same bits."""
+    same bits (hidden 1024: the clustered kernel, A multicast between CTA pairs)."""
     dtype, weights, reference = _quantized(precision)
-    moe = _layer(num_experts, top_k, tokens, dtype=dtype)
-    w1, w2 = weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe = _layer(num_experts, top_k, tokens, hidden=hidden, dtype=dtype)
+    w1, w2 = weights(num_experts, hidden, SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
-    x, idx, w = _inputs(tokens, num_experts, top_k, mode, seed, SMALL["hidden"])
+    x, idx, w = _inputs(tokens, num_experts, top_k, mode, seed, hidden)
     ref = reference(x, idx, w, w1, w2)
     ys = {}
     for schedule in ("wave", "interleaved"):
@@ -304,22 +308,23 @@ def test_quantized_world1_matches_the_quantized_reference(seed, precision, token
     assert torch.equal(ys["wave"], ys["interleaved"]), f"the two schedules differ (seed={seed})"
 
 
-@pytest.mark.parametrize("precision", ["w8a8", "w4a8"])
-def test_quantized_emulated_two_ranks(seed, precision):
+@pytest.mark.parametrize("precision,world,hidden", [("w8a8", 2, 1152), ("w4a8", 2, 1152), ("w8a8", 2, PAIRED),
+                                                     ("w8a8", 4, PAIRED)])
+def test_quantized_emulated_ranks(seed, precision, world, hidden):
     from megamoe.api import EmulatedMoE
 
     dtype, weights, reference = _quantized(precision)
-    num_experts, top_k, tokens = 16, 2, [257, 100]
-    moe = EmulatedMoE(2, num_experts, top_k, SMALL["hidden"], SMALL["intermediate"], max_tokens_per_rank=300,
+    num_experts, top_k, tokens = 16, 2, [257, 100, 1, 31][:world]
+    moe = EmulatedMoE(world, num_experts, top_k, hidden, SMALL["intermediate"], max_tokens_per_rank=300,
                       dtype=dtype)
-    w1, w2 = weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    w1, w2 = weights(num_experts, hidden, SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
-    ins = [_inputs(t, num_experts, top_k, "skewed", seed + r, SMALL["hidden"]) for r, t in enumerate(tokens)]
+    ins = [_inputs(t, num_experts, top_k, "skewed", seed + r, hidden) for r, t in enumerate(tokens)]
     ys = moe.forward([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins])
     torch.cuda.synchronize()
     moe.check_errors()
     for r, (y, (x, idx, w)) in enumerate(zip(ys, ins)):
-        _close(y, reference(x, idx, w, w1, w2), f"{precision} rank {r}/2 seed={seed}", 3e-2, 1e-1)
+        _close(y, reference(x, idx, w, w1, w2), f"{precision} rank {r}/{world} seed={seed}", 3e-2, 1e-1)
 
 
 def test_auto_schedule_runs_the_order_it_resolves_to(seed):
