@@ -106,12 +106,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         self.wg_rows = BLOCK_M // 2
         # l1_done[p] when row p is complete: one arrival per L1 tile and warpgroup
         self.l1_arrivals = 2 * self.n1
-        # A multicast (FP8): the two CTAs of a cluster run the same row's N-block pair (2 pair + r, both orders:
-        # megamoe.schedule's CTA pairs), so each brings 64 of the tile's 128 A rows into both CTAs' stage and A is
-        # read from L2 once per pair, a quarter of the mainloop's L2 reads fewer (ncu: DSv4-Flash W8A8 ran at 88%
-        # of the L2's throughput, the Tensor pipe at 50%). Needs every pair to exist: an even number of L2 N blocks
-        # and the row-major walk (m_group 1: the wave order pairs a CTA with its neighbour only then)
-        self.cluster_n = 2 if self.fp8 and self.n2 % 2 == 0 else 1
 
     # ---------------------------------------------------------------- host
     @staticmethod
@@ -174,11 +168,10 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         sC_layout = cute.make_layout((BLOCK_M, BLOCK_N), stride=(STAGE_ROW, 1))
         sH_layout = cute.make_layout((BLOCK_M, BLOCK_N // 2), stride=(STAGE_ROW, 1))
         op = cpasync.CopyBulkTensorTileG2SOp()
-        op_a = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_n > 1) else op
         one_a = cute.select(sA_layout, mode=[0, 1])
         one_b = cute.select(sB_layout, mode=[0, 1])
-        tma_x, gX = cpasync.make_tiled_tma_atom(op_a, mPool, one_a, (BLOCK_M, self.bk), num_multicast=self.cluster_n)
-        tma_h, gH = cpasync.make_tiled_tma_atom(op_a, mInter, one_a, (BLOCK_M, self.bk), num_multicast=self.cluster_n)
+        tma_x, gX = cpasync.make_tiled_tma_atom(op, mPool, one_a, (BLOCK_M, self.bk))
+        tma_h, gH = cpasync.make_tiled_tma_atom(op, mInter, one_a, (BLOCK_M, self.bk))
         one_s = cute.make_layout((1, SHIFT_STAGE_BYTES // 2), stride=(SHIFT_STAGE_BYTES // 2, 1))
         tma_s1, gS1 = cpasync.make_tiled_tma_atom(op, mS1, one_s, (1, SHIFT_STAGE_BYTES // 2))
         tma_s2, gS2 = cpasync.make_tiled_tma_atom(op, mS2, one_s, (1, SHIFT_STAGE_BYTES // 2))
@@ -213,8 +206,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                     gS1, gS2, tma_s1, tma_s2,
                     sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
                     experts_per_wave, lead, m_group, timeout_ns, rec_cap, SharedStorage).launch(
-            grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), cluster=(self.cluster_n, 1, 1), stream=stream,
-            min_blocks_per_mp=1)
+            grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -240,14 +232,11 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         storage = smem.allocate(SharedStorage)
         if const_expr(self.w4):  # published by the first CTA barrier (B1), long before any mainloop
             self.write_shift_table(storage.lut.get_tensor(cute.make_layout(len(SHIFT_TABLE))), tidx)
-        # a stage's release goes to both CTAs of a cluster (the partner's TMA writes A rows into this stage)
-        cluster_mn = (1, self.cluster_n) if const_expr(self.cluster_n > 1) else None
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_ab.data_ptr(), num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8 * self.cluster_n), tx_count=tx,
-            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)), defer_sync=True)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8), tx_count=tx, defer_sync=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
         E = self.num_local_experts
         s_row_off = storage.row_off.get_tensor(cute.make_layout(E + 1))
         s_ntok = storage.n_tok.get_tensor(cute.make_layout(E))
@@ -269,7 +258,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                       max_tokens, tidx, bidx, grid)
         self.cross_rank_barrier(barrier, peer_ptrs, (e_launch * 3 + 2) * arrivals, world, errors, timeout_ns,
                                 tidx, bidx, stamp=self.stamp_at(records, ph, "b2"))
-        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
+        pipeline.pipeline_init_wait(cluster_shape_mn=None)
         walk = (order, s_row_off, s_row_off[E], experts_per_wave, lead, m_group, bidx, grid)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
@@ -279,14 +268,10 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             elif warp_idx <= 2:
                 self.store_walk(storage.sC.get_tensor(sC_layout), mInter, pool_src, peer_ptrs, records, walk, s_ntok,
                                 l1_done, world, max_tokens, rec_cap, warp_idx - 1, tidx % 32)
-            if const_expr(self.cluster_n > 1):
-                cute.arch.cluster_arrive()
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(pool_w, records, scales, storage, (sA_layout, sB_layout, sC_layout, sH_layout), mma, mma_half,
                      pipe, walk, s_ntok, rec_cap, tidx - WG_THREADS)
-            if const_expr(self.cluster_n > 1):
-                cute.arch.cluster_arrive()  # this CTA's last stage releases (some to the partner) are issued
             if const_expr(self.instrument):
                 if tidx == WG_THREADS:
                     records[ph + PHASES.index("walk_end")] = cute.arch.globaltimer()
@@ -297,9 +282,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                     records[ph + PHASES.index("stores_done")] = t_done
             self.finish(mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, (e_launch * 3 + 3) * arrivals,
                         e_launch, world, timeout_ns, tidx - WG_THREADS, bidx, grid, self.stamp_at(records, ph, "b3"))
-        if const_expr(self.cluster_n > 1):
-            # no CTA exits while its partner may still arrive on its stages' barriers
-            cute.arch.cluster_wait()
 
     def stamp_at(self, records, ph, name: str):
         """(records, the index of phase stamp ``name`` of this CTA) when instrumented, else None."""
@@ -348,13 +330,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                   shifts):
         """One tile's ``n_kb`` K blocks: A's 128-row block ``a_block`` and B's ``b_block`` into the pipeline
         (W4A8: B's packed codes and, from ``shifts``, the block's shift bytes)."""
-        # A: this CTA's 64 of the 128 rows, multicast into both CTAs' stage (cluster_n 2; else all 128 rows)
-        rank = Int32(0)
-        if const_expr(self.cluster_n > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        load_a, _, _ = copy_utils.tma_get_copy_fn(tma_a, rank, cute.make_layout(self.cluster_n), cute.local_tile(
+        load_a, _, _ = copy_utils.tma_get_copy_fn(tma_a, 0, cute.make_layout(1), cute.local_tile(
             gA, (BLOCK_M, self.bk), (a_block, None)), sA)
-        mask_a = cutlass.Int16((1 << self.cluster_n) - 1)  # both CTAs of the cluster
         b_k = self.bk // 2 if const_expr(self.w4) else self.bk
         load_b, _, _ = copy_utils.tma_get_copy_fn(tma_b, 0, cute.make_layout(1), cute.local_tile(
             gB, (BLOCK_N, b_k), (b_block, None)), sB)
@@ -365,10 +342,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                 gS, (1, SHIFT_STAGE_BYTES // 2), (b_block, None)), sS)
         for kb in cutlass.range(n_kb, unroll=1):
             pipe.producer_acquire(state)
-            if const_expr(self.cluster_n > 1):
-                load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state), mcast_mask=mask_a)
-            else:
-                load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
+            load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
             load_b(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
             if const_expr(self.w4):
                 load_s(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
