@@ -91,6 +91,31 @@ def regrets(bench: dict, dtype: str | None = "bf16", sms: int = 132) -> list[dic
     return out
 
 
+FLOOR_TRIALS = 4  # the measured oracle's sample: about what a few warm-up calls of each order would give
+
+
+def measured_pick_floor(bench: dict, dtype: str | None = None, first: int = FLOOR_TRIALS) -> dict | None:
+    """The regret a pick from measurements would have in the same run: per matrix configuration with per-trial
+    times, the order whose median over the first ``first`` trials is lower, judged on the median of the rest.
+    Its max is what the run can resolve: a schedule rule whose regret is below it cannot be told from a perfect
+    one by this run (None: no per-trial times)."""
+    want = None if dtype is None else PRECISION_OF[dtype]
+    regs = []
+    for c in bench.get("configurations", []):
+        t = c.get("trial_times_us") or {}
+        w, i = t.get("wave") or [], t.get("interleaved") or []
+        if c.get("status") != "measured" or (want and c["precision"] != want) or min(len(w), len(i)) < first + 3:
+            continue
+        early = {"wave": statistics.median(w[:first]), "interleaved": statistics.median(i[:first])}
+        late = {"wave": statistics.median(w[first:]), "interleaved": statistics.median(i[first:])}
+        pick = min(early, key=early.get)
+        regs.append(late[pick] / min(late.values()) - 1.0)
+    if not regs:
+        return None
+    return {"first_trials": first, "configurations": len(regs), "max_regret": max(regs),
+            "mean_regret": statistics.fmean(regs), "over_3pct": sum(r > 0.03 for r in regs)}
+
+
 def summary(rows: list[dict]) -> dict:
     reg = [r["regret"] for r in rows]
     always = {name: [r["measured_us"][name] / min(r["measured_us"].values()) - 1.0 for r in rows]
@@ -118,12 +143,14 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.bench}: no row or configuration of precision {dtype} has both orders measured")
     result = {"bench": args.bench, "bench_commit": bench.get("provenance", {}).get("git_commit"),
               "fits": {k: dataclasses.asdict(v) for k, v in auto.FITS.items()}, "summary": summary(rows),
-              "rows": rows}
+              "measured_pick_floor": measured_pick_floor(bench, dtype) if matrix else None, "rows": rows}
     for r in rows:
         print(f"{r['shape']:11s} {r['precision']:5s} P={r['world']} T={r['tokens_per_rank']:5d} {r['routing']:8s} pick {r['pick']:11s} "
               f"better {r['better']:11s} regret {100 * r['regret']:5.2f}%  (wave/int predicted "
               f"{math.exp(r['predicted_gain']):.3f}, measured {math.exp(r['measured_gain']):.3f})")
     print(json.dumps(result["summary"]))
+    if result["measured_pick_floor"]:
+        print("a pick from the run's own first trials, judged on the rest:", json.dumps(result["measured_pick_floor"]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -116,3 +116,70 @@ def test_regret_tool_on_a_synthetic_result(tmp_path, capsys):
     assert json.loads(out.read_text())["rows"][0]["histogram"] == "redrawn"
     with pytest.raises(SystemExit, match="no row"):
         megamoe_auto.main([str(path), "--dtype", "bf16"])
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: ``passed`` says whether query() sees it done; times are set by the test."""
+
+    def __init__(self):
+        self.t, self.passed = None, False
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return self.passed
+
+    def elapsed_time(self, end):
+        return end.t - self.t  # ms
+
+
+def test_schedule_trial_alternates_then_keeps_the_faster_order():
+    """megamoe.api.ScheduleTrial: the rule's pick first, the orders alternate TRIAL_CALLS times each, nothing
+    is decided before every timed launch's events passed (no sync), then the lower median stays; while a graph
+    is captured no launch is timed and the order is the prior (or the decided one)."""
+    from megamoe.api import TRIAL_CALLS, ScheduleTrial
+
+    made = []
+
+    def events():
+        made.append(_FakeEvent())
+        return made[-1]
+
+    trial = ScheduleTrial("wave", events)
+    assert trial.order(capturing=True) == "wave" and trial.timed("wave", capturing=True) is None
+    seen = []
+    for i in range(2 * TRIAL_CALLS):
+        name = trial.order()
+        seen.append(name)
+        start, end = trial.timed(name)
+        start.t, end.t = 0.0, (1.0 if name == "interleaved" else 1.1) + 0.01 * i  # interleaved ~10% faster
+    assert seen == ["wave", "interleaved"] * TRIAL_CALLS
+    assert trial.order() == "wave" and trial.timed("wave") is None  # every sample launched, none passed yet
+    for ev in made[:-2]:
+        ev.passed = True
+    assert trial.order() == "wave" and trial.decided is None  # the last launch's events have not passed
+    for ev in made:
+        ev.passed = True
+    assert trial.order() == "interleaved" and trial.order(capturing=True) == "interleaved"
+    assert len(trial.times_us["wave"]) == TRIAL_CALLS and trial.timed("interleaved") is None
+    assert ScheduleTrial("interleaved", None).order() == "interleaved"  # no CUDA: the rule's pick stays
+
+
+def test_measured_pick_floor_judges_early_trials_on_the_rest():
+    from benchmarks.megamoe_auto import FLOOR_TRIALS, measured_pick_floor
+
+    def conf(precision, wave, inter):
+        return {"status": "measured", "precision": precision, "trial_times_us": {"wave": wave, "interleaved": inter}}
+
+    early_wave = [100.0] * FLOOR_TRIALS  # wave looks faster in the first trials, interleaved is faster later
+    bench = {"configurations": [
+        conf("bf16", early_wave + [110.0] * 6, [105.0] * FLOOR_TRIALS + [100.0] * 6),
+        conf("bf16", [100.0] * 10, [120.0] * 10),
+        conf("w8a8", [100.0] * 10, [90.0] * 10),
+        conf("bf16", [100.0] * 5, [90.0] * 5)]}  # too few trials to judge on the rest: left out
+    floor = measured_pick_floor(bench, "bf16")
+    assert floor["configurations"] == 2 and floor["max_regret"] == pytest.approx(0.10)
+    assert floor["over_3pct"] == 1 and floor["first_trials"] == FLOOR_TRIALS
+    assert measured_pick_floor(bench, "fp8")["max_regret"] == pytest.approx(0.0)
+    assert measured_pick_floor({"configurations": []}) is None

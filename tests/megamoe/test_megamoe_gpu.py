@@ -341,3 +341,44 @@ def test_auto_schedule_runs_the_order_it_resolves_to(seed):
     rows, tokens = moe.history.latest()
     assert tokens == 300 and rows == tuple(torch.bincount(idx.flatten().long().cpu(), minlength=8).tolist()), seed
     assert moe.resolve_schedule(300) in ("wave", "interleaved")
+    # from the histogram on, a trial (megamoe.api.ScheduleTrial): the orders alternate TRIAL_CALLS times each,
+    # each launch between two events, every output the same bits; once the events passed, the faster order stays
+    from megamoe.api import TRIAL_CALLS
+
+    ref = moe.forward(x, idx, w, "wave")
+    seen = []
+    for _ in range(2 * TRIAL_CALLS):
+        seen.append(moe.resolve_schedule(300))
+        assert torch.equal(moe.forward(x, idx, w), ref), f"seed={seed}"
+    torch.cuda.synchronize()
+    trial = moe.trial
+    assert sorted(seen) == sorted(["wave", "interleaved"] * TRIAL_CALLS), seen
+    assert moe.resolve_schedule(300) == trial.decided
+    med = {n: sorted(t)[len(t) // 2] for n, t in trial.times_us.items()}
+    assert all(len(t) == TRIAL_CALLS and min(t) > 0 for t in trial.times_us.values()), trial.times_us
+    assert med[trial.decided] <= min(med.values()), (med, trial.decided)
+    moe.check_errors()
+
+
+def test_emulated_auto_decides_once_for_all_ranks(seed):
+    """EmulatedMoE(schedule="auto"): one order for every rank per call, the trial timing the P launches together
+    from the main stream; the outputs stay the reference's whatever the order."""
+    from megamoe.api import TRIAL_CALLS, EmulatedMoE
+
+    moe = EmulatedMoE(2, 8, 2, SMALL["hidden"], SMALL["intermediate"], max_tokens_per_rank=200, schedule="auto")
+    w1, w2 = _weights(8, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    ins = [_inputs(t, 8, 2, "skewed", seed + r, SMALL["hidden"]) for r, t in enumerate((200, 77))]
+    args = [[i[k] for i in ins] for k in range(3)]
+    first = moe.forward(*args)
+    torch.cuda.synchronize()  # the histograms landed: the next calls decide from them
+    for r, (y, (x, idx, w)) in enumerate(zip(first, ins)):
+        _close(y, _reference(x, idx, w, w1, w2), f"auto rank {r}/2 seed={seed}")
+    for _ in range(2 * TRIAL_CALLS + 1):
+        ys = moe.forward(*args)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(ys, first)), f"seed={seed}"
+    lead = moe.ranks[0]
+    assert lead.trial.decided in ("wave", "interleaved"), lead.trial.times_us
+    assert all(m.auto_picks == {} for m in moe.ranks[1:])  # the lead rank decides for all
+    moe.check_errors()
