@@ -91,14 +91,15 @@ def regrets(bench: dict, dtype: str | None = "bf16", sms: int = 132) -> list[dic
     return out
 
 
-FLOOR_TRIALS = 4  # the measured oracle's sample: about what a few warm-up calls of each order would give
-
-
-def measured_pick_floor(bench: dict, dtype: str | None = None, first: int = FLOOR_TRIALS) -> dict | None:
+def measured_pick_floor(bench: dict, dtype: str | None = None, first: int | None = None) -> dict | None:
     """The regret a pick from measurements would have in the same run: per matrix configuration with per-trial
-    times, the order whose median over the first ``first`` trials is lower, judged on the median of the rest.
+    times, auto's measured pick (``megamoe.auto.faster_measured``) from the first ``first`` trials of each order
+    (default ``MEASURED_CALLS``, as ``megamoe.api.ScheduleTrial`` takes them), judged on the median of the rest.
     Its max is what the run can resolve: a schedule rule whose regret is below it cannot be told from a perfect
     one by this run (None: no per-trial times)."""
+    from megamoe.auto import MEASURED_CALLS, faster_measured
+
+    first = MEASURED_CALLS if first is None else first
     want = None if dtype is None else PRECISION_OF[dtype]
     regs = []
     for c in bench.get("configurations", []):
@@ -106,9 +107,8 @@ def measured_pick_floor(bench: dict, dtype: str | None = None, first: int = FLOO
         w, i = t.get("wave") or [], t.get("interleaved") or []
         if c.get("status") != "measured" or (want and c["precision"] != want) or min(len(w), len(i)) < first + 3:
             continue
-        early = {"wave": statistics.median(w[:first]), "interleaved": statistics.median(i[:first])}
         late = {"wave": statistics.median(w[first:]), "interleaved": statistics.median(i[first:])}
-        pick = min(early, key=early.get)
+        pick = faster_measured({"wave": w[:first], "interleaved": i[:first]})
         regs.append(late[pick] / min(late.values()) - 1.0)
     if not regs:
         return None

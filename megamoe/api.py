@@ -28,6 +28,8 @@ import torch
 
 from megamoe import schedule as sched
 from megamoe import tile_stream as ts
+from megamoe.auto import MEASURED_CALLS as TRIAL_CALLS  # launches of each order auto times before it settles
+from megamoe.auto import faster_measured
 
 SCHEDULES = (*ts.ORDERS, "auto")
 TIMEOUT_NS = 2_000_000_000
@@ -174,16 +176,13 @@ class RoutingHistory:
         return self.rows, self.tokens
 
 
-TRIAL_CALLS = 4  # launches of each order auto times before it settles (the regret tool's FLOOR_TRIALS)
-
-
 class ScheduleTrial:
     """schedule="auto" for one decision key (token bucket, histogram classes): megamoe.auto's pick (``prior``)
     runs first, then the first ``TRIAL_CALLS`` launches of each order alternate, each between two CUDA events
     recorded on the launch's stream; once every one of them has passed (``Event.query``: no host sync), the
     order with the lower median stays. Both orders give the same bits, so the trial changes no output. The
-    rule alone misses by up to ~3.8% on the matrices; a pick from 4 trials of each, judged on the run's other
-    trials, by at most 2.4% / 3.3% (``benchmarks.megamoe_auto``'s measured_pick_floor). No trial launch while
+    rule alone misses by up to ~3.8% on the matrices; this pick, made from 4 trials of each and judged on the
+    run's other trials, by at most 2.8% / 3.3% (``benchmarks.megamoe_auto``'s measured_pick_floor). No trial launch while
     a CUDA graph is captured (a replayed graph runs the order resolved at capture); ``events`` None (no CUDA):
     the prior stays."""
 
@@ -220,8 +219,7 @@ class ScheduleTrial:
             order, start, end = self.pending.pop(0)
             self.times_us[order].append(1e3 * start.elapsed_time(end))
         if self.decided is None and all(len(t) >= TRIAL_CALLS for t in self.times_us.values()):
-            med = {n: sorted(t)[len(t) // 2] for n, t in self.times_us.items()}
-            self.decided = min(ts.ORDERS, key=lambda n: (med[n], n != self.prior))
+            self.decided = faster_measured(self.times_us, self.prior)
 
 
 def _cuda_events(device):

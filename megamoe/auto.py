@@ -138,6 +138,17 @@ def schedule_for_gain(gain: float) -> str:
     return "interleaved" if gain > 0.0 else "wave"
 
 
+MEASURED_CALLS = 4  # launches of each order timed before a measured pick (megamoe.api.ScheduleTrial)
+
+
+def faster_measured(times_us: dict, prior: str | None = None) -> str:
+    """The order whose measured times (per order name, a list each) have the lower median (the upper one of an
+    even count), ties to ``prior``: the pick ``megamoe.api.ScheduleTrial`` settles on, and what the regret
+    tool's ``measured_pick_floor`` replays on a run's own trials."""
+    med = {name: sorted(t)[len(t) // 2] for name, t in times_us.items()}
+    return min(med, key=lambda name: (med[name], name != prior))
+
+
 def token_bucket(tokens: int) -> int:
     """The token count a decision is cached under: rounded up to a multiple of 256 (a decision per bucket,
     not per count, keeps the replays off a serving loop's path after warm-up)."""

@@ -167,7 +167,8 @@ def test_schedule_trial_alternates_then_keeps_the_faster_order():
 
 
 def test_measured_pick_floor_judges_early_trials_on_the_rest():
-    from benchmarks.megamoe_auto import FLOOR_TRIALS, measured_pick_floor
+    from benchmarks.megamoe_auto import measured_pick_floor
+    from megamoe.auto import MEASURED_CALLS as FLOOR_TRIALS
 
     def conf(precision, wave, inter):
         return {"status": "measured", "precision": precision, "trial_times_us": {"wave": wave, "interleaved": inter}}
@@ -183,3 +184,12 @@ def test_measured_pick_floor_judges_early_trials_on_the_rest():
     assert floor["over_3pct"] == 1 and floor["first_trials"] == FLOOR_TRIALS
     assert measured_pick_floor(bench, "fp8")["max_regret"] == pytest.approx(0.0)
     assert measured_pick_floor({"configurations": []}) is None
+
+
+def test_faster_measured_takes_the_upper_median_and_ties_to_the_prior():
+    from megamoe.auto import faster_measured
+
+    times = {"wave": [1.0, 5.0, 2.0, 9.0], "interleaved": [3.0, 3.0, 3.0, 0.5]}  # upper medians 5 and 3
+    assert faster_measured(times) == "interleaved" and faster_measured(times, "wave") == "interleaved"
+    tie = {"wave": [2.0, 2.0], "interleaved": [2.0, 2.0]}
+    assert faster_measured(tie, "interleaved") == "interleaved" and faster_measured(tie, "wave") == "wave"
