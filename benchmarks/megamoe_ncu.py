@@ -42,10 +42,8 @@ STALL_PREFIX = "smsp__average_warps_issue_stalled_"  # WarpStateStats: per reaso
 def run(args) -> None:
     import torch
 
-    from benchmarks.megamoe import PRESETS, make_weights, row_seed
-    from benchmarks.megamoe_old_vs_new import parse_case
+    from benchmarks.megamoe_old_vs_new import case_inputs, parse_case
     from megamoe.api import MegaMoE
-    from megamoe.reference import make_routing
 
     print(f"seed={args.seed}", flush=True)
     dense = {}
@@ -67,13 +65,7 @@ def run(args) -> None:
     del a, b, ab
     for spec in args.cases:
         case = parse_case(spec)
-        preset = PRESETS[case["shape"]]
-        seed = row_seed(args.seed, preset.name, 1, case["tokens"], case["routing"])
-        w1, w2 = make_weights(preset, seed, "cuda")
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        x = torch.randn(case["tokens"], preset.hidden, generator=gen, device="cuda").to(torch.bfloat16)
-        idx, wts = make_routing(case["tokens"], preset.num_experts, preset.top_k, case["routing"], seed, "cuda")
-        dtype = {"bf16": torch.bfloat16, "w8a8": torch.float8_e4m3fn}.get(case["dtype"], case["dtype"])
+        preset, _, w1, w2, x, idx, wts, dtype = case_inputs(case, args.seed)
         layer = MegaMoE(None, preset.num_experts, preset.top_k, preset.hidden, preset.intermediate, dtype=dtype,
                         schedule=case["schedule"], max_tokens_per_rank=case["tokens"])
         layer.load_weights(w1, w2)

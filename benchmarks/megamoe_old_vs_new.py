@@ -48,14 +48,30 @@ def parse_case(spec: str) -> dict:
     return {"shape": shape, "tokens": int(tokens), "routing": routing, "dtype": dtype, "schedule": schedule}
 
 
+def case_inputs(case: dict, seed: int):
+    """A case's (preset, row seed, w1, w2, x, topk_idx, topk_weights, layer dtype), drawn from the bench's row
+    seed on the GPU: the same inputs wherever a case runs (this comparison, benchmarks.megamoe_ncu)."""
+    import torch
+
+    from benchmarks.megamoe import PRESETS, make_weights, row_seed
+    from megamoe.reference import make_routing
+
+    preset = PRESETS[case["shape"]]
+    seed = row_seed(seed, preset.name, 1, case["tokens"], case["routing"])
+    w1, w2 = make_weights(preset, seed, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(case["tokens"], preset.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    idx, wts = make_routing(case["tokens"], preset.num_experts, preset.top_k, case["routing"], seed, "cuda")
+    dtype = {"bf16": torch.bfloat16, "w8a8": torch.float8_e4m3fn}.get(case["dtype"], case["dtype"])
+    return preset, seed, w1, w2, x, idx, wts, dtype
+
+
 def run(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.megamoe import PRESETS, make_weights, row_seed
     from cute_kernels.dist import process_group
     from cute_kernels.runtime import provenance
-    from megamoe.reference import make_routing
 
     from megamoe.api import MegaMoE as NewMoE
 
@@ -72,13 +88,7 @@ def run(args) -> dict:
     with process_group(0, 1, os.path.join(args.tmp, "pg")):
         group = dist.group.WORLD
         for case in args.cases:
-            preset = PRESETS[case["shape"]]
-            seed = row_seed(args.seed, preset.name, 1, case["tokens"], case["routing"])
-            w1, w2 = make_weights(preset, seed, "cuda")
-            gen = torch.Generator(device="cuda").manual_seed(seed)
-            x = torch.randn(case["tokens"], preset.hidden, generator=gen, device="cuda").to(torch.bfloat16)
-            idx, wts = make_routing(case["tokens"], preset.num_experts, preset.top_k, case["routing"], seed, "cuda")
-            dtype = {"bf16": torch.bfloat16, "w8a8": torch.float8_e4m3fn}.get(case["dtype"], case["dtype"])
+            preset, seed, w1, w2, x, idx, wts, dtype = case_inputs(case, args.seed)
             layers = {}
             for name, cls in (("old", OldMoE), ("new", NewMoE)):
                 layers[name] = cls(None, preset.num_experts, preset.top_k, preset.hidden, preset.intermediate,
