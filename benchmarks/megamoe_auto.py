@@ -116,6 +116,44 @@ def measured_pick_floor(bench: dict, dtype: str | None = None, first: int | None
             "mean_regret": statistics.fmean(regs), "over_3pct": sum(r > 0.03 for r in regs)}
 
 
+# --- the matrix's auto column (benchmarks/megamoe_matrix.py --auto; needs a GPU) -------------------------------
+
+def _settle_calls() -> int:
+    from megamoe.auto import MEASURED_CALLS
+
+    # the first call's trial is keyed on the layer's previous histogram, the rest on these inputs'; each order
+    # is timed MEASURED_CALLS times, and the last call's events are read by the poll after it
+    return 2 * MEASURED_CALLS + 2
+
+
+SETTLE_CALLS = _settle_calls()
+
+
+def auto_trial(layer):
+    """The ScheduleTrial (megamoe.api) of a bench layer's last schedule="auto" launch: a MegaMoE's own, or for
+    ranks emulated behind benchmarks.megamoe.RankLists their lead rank's (they decide together)."""
+    emulated = getattr(layer, "emulated", None)
+    return (emulated.ranks[0] if emulated is not None else layer).trial
+
+
+def settle_auto(call, layer, sync=None) -> dict:
+    """``call`` (one eager schedule="auto" forward of the configuration's inputs) SETTLE_CALLS times, each
+    followed by ``sync`` (default torch.cuda.synchronize), so the trial for these inputs has timed both orders
+    and decided before a graph captures the order. A fixed count: the ranks of a real group launch alike.
+    Returns the settled order (None: not decided), the rule's prior, and the trial's times."""
+    if sync is None:
+        import torch
+
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(SETTLE_CALLS):
+        call()
+        sync()
+    trial = auto_trial(layer)
+    trial.poll()
+    return {"order": trial.decided, "prior": trial.prior, "settle_calls": SETTLE_CALLS,
+            "trial_us": {n: [round(t, 3) for t in ts] for n, ts in trial.times_us.items()}}
+
+
 def summary(rows: list[dict]) -> dict:
     reg = [r["regret"] for r in rows]
     always = {name: [r["measured_us"][name] / min(r["measured_us"].values()) - 1.0 for r in rows]

@@ -50,10 +50,10 @@ from dataclasses import dataclass
 
 from benchmarks import megamoe as mb
 from benchmarks.megamoe_ep import ranks_record
+from benchmarks.megamoe_matrix_report import (GROUPS, MODELS, PRECISIONS, markdown, plot,  # noqa: F401 - re-exported
+                                              speedup_stats, summarize, write_json, write_markdown)
 from calibrate.cli import UsageError
 
-MODELS = ("dit-moe", "qwen3-moe", "hunyuan", "mimo", "glm", "dsv4-flash", "dsv4-pro")  # Figure 8's order
-PRECISIONS = ("bf16", "w8a8", "w4a8")
 SCHEDULES = mb.SCHEDULES  # ("wave", "interleaved"): the two timed columns
 WORLDS = (1, 2, 4, 8)
 DEFAULT_TOKENS = (4096, 8192)
@@ -104,6 +104,10 @@ def add_arguments(p) -> None:
     p.add_argument("--png", default=None, help="the figure (default: the JSON's name with .png)")
     p.add_argument("--memory-gb", type=float, default=None,
                    help=f"the GPU memory a configuration must fit (default: the GPU's; {H200_GB:g} with no GPU)")
+    p.add_argument("--auto", action="store_true",
+                   help="a third timed column, schedule='auto', settled by its trial (megamoe.api.ScheduleTrial) "
+                        "before capture; per configuration its in-run regret against the better of the two "
+                        "schedules (trials then in shuffled order)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, inputs and routing (as bench megamoe)")
     p.add_argument("--tmp", default="/tmp", help="where the one-rank process group's rendezvous file goes")
     p.add_argument("--dump", default=None, metavar="FILE",
@@ -140,6 +144,7 @@ class Config:
     world: int
     skew: float | None  # the skewed routing's exponent, None otherwise
     real: bool = False  # world > 1 as real ranks, one GPU each (else emulated on one)
+    auto: bool = False  # also the schedule="auto" column (--auto); not part of the key
 
     @property
     def routing_label(self) -> str:
@@ -155,7 +160,8 @@ def configurations(args) -> list[Config]:
     """Every configuration, in run order: model, world, tokens, precision, routing (one layer per model,
     world, tokens and precision; the routings reuse it)."""
     modes = getattr(args, "rank_modes", None) or {}
-    return [Config(p, d, r, t, w, args.skew if r == "skewed" else None, modes.get(w) == "real")
+    return [Config(p, d, r, t, w, args.skew if r == "skewed" else None, modes.get(w) == "real",
+                   bool(getattr(args, "auto", False)))
             for p in args.shapes for w in args.world for t in args.tokens for d in args.precision
             for r in args.routing]
 
@@ -204,12 +210,16 @@ def kernel_seconds(preset: mb.Preset, world: int, tokens: int, real: bool = Fals
 
 def config_seconds(cfg: Config, trials: int, calls: int, dump: bool = False) -> float:
     """One configuration: inputs, the fp32 reference, both schedules' eager call, capture warm-up and trials;
-    ``dump``: its inputs again, an instrumented launch per schedule and its records to the host."""
+    ``dump``: its inputs again, an instrumented launch per schedule and its records to the host; ``cfg.auto``:
+    the auto column's settling calls, eager call and trials too."""
+    from benchmarks.megamoe_auto import SETTLE_CALLS
     from benchmarks.moe_baselines import moe_flops
 
     mine = cfg.tokens if cfg.real else cfg.world * cfg.tokens  # the reference's tokens on one GPU
     ref = moe_flops(cfg.preset, mine * cfg.preset.top_k) / (EST["reference_tflops"] * 1e12)
     launches = len(SCHEDULES) * (2 + trials * calls + (1 if dump else 0))
+    if cfg.auto:
+        launches += SETTLE_CALLS + 2 + trials * calls
     return (EST["config_s"] + ref + (EST["dump_s"] if dump else 0.0)
             + launches * kernel_seconds(cfg.preset, cfg.world, cfg.tokens, cfg.real))
 
@@ -222,35 +232,6 @@ def setup_seconds(cfg: Config, new_shape: bool, dump: bool = False) -> float:
 
 
 # --- statistics -----------------------------------------------------------------------------------------------
-
-def speedup_stats(pairs: list[tuple[str, float]]) -> dict:
-    """n, geometric mean, median, min and max (with the configurations that hold them) of (key, speedup)."""
-    vals = [v for _, v in pairs]
-    if not vals:
-        return {"n": 0}
-    lo, hi = min(pairs, key=lambda p: p[1]), max(pairs, key=lambda p: p[1])
-    return {"n": len(vals), "geomean": math.exp(sum(math.log(v) for v in vals) / len(vals)),
-            "median": statistics.median(vals), "min": lo[1], "max": hi[1], "min_config": lo[0],
-            "max_config": hi[0], "faster": sum(v > 1 for v in vals)}
-
-
-GROUPS = {"model": "model", "precision": "precision", "routing": "routing", "world": "world",
-          "tokens": "tokens_per_rank"}
-
-
-def summarize(entries: list[dict]) -> dict:
-    """Speedup statistics overall and by model, precision, routing, world and tokens; counts by status."""
-    measured = [e for e in entries if e.get("speedup")]
-    out = {"overall": speedup_stats([(e["key"], e["speedup"]) for e in measured])}
-    for name, field in GROUPS.items():
-        values = list(dict.fromkeys(e[field] for e in measured))
-        if name == "model":
-            values.sort(key=lambda m: MODELS.index(m) if m in MODELS else len(MODELS))
-        out[f"by_{name}"] = {str(v): speedup_stats([(e["key"], e["speedup"]) for e in measured if e[field] == v])
-                             for v in values}
-    out["counts"] = {s: sum(e["status"] == s for e in entries) for s in ("measured", "failed", "skipped", "not_run")}
-    return out
-
 
 # --- one configuration ----------------------------------------------------------------------------------------
 
@@ -309,6 +290,12 @@ def config_inputs(ctx, cfg: Config) -> tuple:
     return x, idx, wts, seed, stats
 
 
+def trial_order(cfg_or_args) -> str:
+    """The columns' order per trial: rotated with the two schedules (section 5.1's alternation); shuffled with
+    the auto column too (rotating three columns would give each a fixed predecessor: benchmarks.timing)."""
+    return "shuffle" if getattr(cfg_or_args, "auto", False) else "rotate"
+
+
 def measure_config(ctx, cfg: Config, layer, w1, w2, index: int) -> dict:
     """One configuration: its inputs (config_inputs), both schedules through megamoe.run_columns, the speedup;
     at real ranks every rank's check is kept (the max over ranks)."""
@@ -324,17 +311,33 @@ def measure_config(ctx, cfg: Config, layer, w1, w2, index: int) -> dict:
         return refs["r"]
 
     calls = {s: (lambda s=s: layer.forward(x, idx, wts, schedule=s)) for s in SCHEDULES}
+    settled = None
+    if cfg.auto:  # settled by its trial before run_columns checks and captures it (a graph keeps its order)
+        from benchmarks.megamoe_auto import settle_auto
+
+        calls["auto"] = lambda: layer.forward(x, idx, wts, schedule="auto")
+        try:
+            settled = settle_auto(calls["auto"], layer)
+        except Exception as e:  # noqa: BLE001 - the two schedules are still measured
+            calls["auto"] = {"failed": mb._reason(e)}
     cols, times = mb.run_columns(calls, reference, ctx.capture, lambda live: ctx.timer(live, index),
                                  agree=ranks.agree if ranks is not None else None)
     if ranks is not None:
         from benchmarks.megamoe_ep import merge_columns
 
         cols = merge_columns(ranks.gather(cols))
+    if settled is not None and "auto" in cols:
+        cols["auto"].update(settled)
     entry = {"seed": seed, **stats, **cols,
              "trial_times_us": {n: [round(t, 3) for t in ts] for n, ts in times.items()},
-             "first_in_trial_0": round_order(list(SCHEDULES), 0, "rotate", index)[0]}
+             "first_in_trial_0": round_order(list(calls), 0, trial_order(cfg), index)[0]}
     wave, inter = (cols[s].get("us") for s in SCHEDULES)
     entry["speedup"] = wave / inter if wave and inter else None
+    if entry["speedup"] and cols.get("auto", {}).get("us"):
+        # in-run regret: the auto column's own time, and its pick's time in the two schedules' columns
+        best, order = min(wave, inter), cols["auto"].get("order")
+        entry["auto_regret"] = cols["auto"]["us"] / best - 1.0
+        entry["auto_pick_regret"] = cols[order]["us"] / best - 1.0 if order in SCHEDULES else None
     entry["status"] = "measured" if entry["speedup"] else "failed"
     if entry["status"] == "failed":
         entry["reason"] = "; ".join(f"{s}: {cols[s]['failed']}" for s in SCHEDULES if "failed" in cols[s])
@@ -390,7 +393,7 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
     ctx = SimpleNamespace(args=args, device=device, ranks=ranks)
     ctx.capture = capture or (lambda fn: capture_graph(fn, args.calls_per_graph, group))
     ctx.timer = timer or (lambda cols, i: measure_rounds(cols, args.calls_per_graph, args.trials, group,
-                                                         order="rotate", start=i))
+                                                         order=trial_order(args), start=i))
     api = api or mb.load_api()
     if phase is not None:
         kept, runs = phase["configurations"], phase["runs"]
@@ -405,13 +408,15 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
     configs = configurations(args)
     entries = {c.key: {**describe(c), "status": "not_run", "reason": "not reached"} for c in configs}
     entries.update({e["key"]: e for e in kept})
-    result = {"kind": KIND, "provenance": runs[-1], "runs": runs, "method": METHOD, "precisions": PRECISION_NOTES,
+    result = {"kind": KIND, "provenance": runs[-1], "runs": runs,
+              "method": METHOD + (AUTO_METHOD if getattr(args, "auto", False) else ""), "precisions": PRECISION_NOTES,
               "speedup": "T_wave / T_interleaved (> 1: interleaved is faster)",
               "args": {"shapes": [p.name for p in args.shapes], "precision": args.precision,
                        "routing": args.routing, "skew": args.skew, "tokens": args.tokens, "world": args.world,
                        "trials": args.trials, "calls_per_graph": args.calls_per_graph, "seed": args.seed,
                        "max_minutes": args.max_minutes, "resume": args.resume,
-                       "ranks": getattr(args, "ranks", None), "dump": getattr(args, "dump", None)},
+                       "ranks": getattr(args, "ranks", None), "dump": getattr(args, "dump", None),
+                       "auto": bool(getattr(args, "auto", False))},
               **ranks_record(getattr(args, "ranks", None),
                              getattr(args, "rank_modes", None) or {w: "one GPU" if w == 1 else "emulated"
                                                                    for w in args.world},
@@ -529,7 +534,9 @@ def summary_line(e: dict) -> str:
     if e["status"] != "measured":
         return f"{e['key']}: {e['status']} ({e.get('reason')})"
     return (f"{e['key']}: wave {e['wave']['us']:.0f} µs, interleaved {e['interleaved']['us']:.0f} µs, "
-            f"speedup {e['speedup']:.3f} ({e.get('wall_s', 0):.1f} s)")
+            f"speedup {e['speedup']:.3f}" + (f", auto {e['auto']['us']:.0f} µs ({e['auto'].get('order')}, "
+                                            f"{100 * e['auto_regret']:+.1f}%)" if e.get("auto_regret") is not None
+                                            else "") + f" ({e.get('wall_s', 0):.1f} s)")
 
 
 METHOD = ("one layer per (model, world, tokens, precision); per configuration the seeded inputs of bench megamoe's "
@@ -539,146 +546,14 @@ METHOD = ("one layer per (model, world, tokens, precision); per configuration th
           "the trials (benchmarks.timing.measure_rounds, order='rotate'); world P > 1: P ranks emulated on one GPU "
           "with local stores, or real ranks (world_mode says which; benchmarks/megamoe_ep.py: each rank its slice of "
           "the P*T tokens, checks the max over ranks); speedup = T_wave / T_interleaved")
+AUTO_METHOD = ("; --auto: a third column, schedule='auto', after benchmarks.megamoe_auto.SETTLE_CALLS eager calls "
+               "(each synchronized) have settled its trial for the configuration's inputs, the three columns' "
+               "trials in a fresh shuffled order each; auto_regret = T_auto / min(T_wave, T_interleaved) - 1, "
+               "auto_pick_regret the same with the column of the order auto settled on")
 PRECISION_NOTES = {"bf16": "bf16 weights and activations; MegaMoE(dtype=torch.bfloat16)",
                    "w8a8": "e4m3 weights with 128x128 block scales, e4m3 activations per 1x128; MegaMoE(dtype='w8a8'), "
                            "else dtype=torch.float8_e4m3fn",
                    "w4a8": "E2M1 weights with a UE8M0 scale per 32, activations as w8a8; MegaMoE(dtype='w4a8')"}
-
-
-# --- output ---------------------------------------------------------------------------------------------------
-
-def write_json(result: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, path)  # a run killed mid-write leaves the previous file whole (for --resume)
-
-
-def _f(v, nd=3) -> str:
-    return "—" if v is None else f"{v:.{nd}f}"
-
-
-def markdown(result: dict) -> str:
-    prov, s = result["provenance"], result["summary"]
-    title = (f"# MegaMoE configuration matrix: interleaved vs wave ({prov.get('device', 'no GPU')}, "
-             f"{prov.get('git_commit')})")
-    lines = [title, "", f"`{prov.get('command')}`", "",
-             f"Speedup = {result['speedup']}. Method: {result['method']}.", "",
-             "Counts: " + ", ".join(f"{n} {v}" for n, v in s["counts"].items())
-             + (f". Stopped: {result['stopped']}" if result.get("stopped") else "") + ".", "",
-             "## Summary", "", "| group | | n | geomean | median | min | max | interleaved faster |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-
-    def stat_row(group, value, st):
-        if not st.get("n"):
-            return f"| {group} | {value} | 0 | | | | | |"
-        return (f"| {group} | {value} | {st['n']} | {_f(st['geomean'])} | {_f(st['median'])} | {_f(st['min'])} | "
-                f"{_f(st['max'])} | {st['faster']} |")
-
-    lines.append(stat_row("all", "", s["overall"]))
-    for name in GROUPS:
-        lines += [stat_row(name, v, st) for v, st in s[f"by_{name}"].items()]
-    head = ("| model | H / I | experts | top-k | precision | routing | tok/rank | P | wave µs | interleaved µs | "
-            "speedup |")
-    lines += ["", "## Configurations", "", head, "| --- " * 11 + "|"]
-    shown = [e for e in result["configurations"] if e["status"] in ("measured", "failed")]
-    for e in shown:
-        routing = e["routing"] + (f" (s = {e['zipf_exponent']:g})" if e.get("zipf_exponent") is not None else "")
-        lines.append(f"| {e['model']} | {e['hidden']} / {e['intermediate']} | {e['num_experts']} | {e['top_k']} | "
-                     f"{e['precision']} | {routing} | {e['tokens_per_rank']} | "
-                     f"{e['world']}{' (real)' if e.get('ranks') == 'real' else ''} | "
-                     f"{_f(e.get('wave', {}).get('us'), 0)} | {_f(e.get('interleaved', {}).get('us'), 0)} | "
-                     + (_f(e["speedup"]) if e["status"] == "measured" else f"failed: {e.get('reason')}") + " |")
-    why = {}
-    for e in result["configurations"]:
-        if e["status"] in ("skipped", "not_run"):
-            why.setdefault((e["status"], e.get("reason")), []).append(e["key"])
-    if why:
-        lines += ["", "## Not measured", "", "| status | configurations | reason | e.g. |", "| --- | --- | --- | --- |"]
-        lines += [f"| {st} | {len(keys)} | {r} | {keys[0]} |" for (st, r), keys in why.items()]
-    return "\n".join(lines) + "\n"
-
-
-def write_markdown(result: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(markdown(result))
-
-
-HATCH = {"balanced": "", "skewed": "//", "one_expert": "xx"}
-
-
-def plot(result: dict, path: str) -> None:
-    """Figure 8's role: per world size a panel of speedup bars, grouped by model, one slot per (precision,
-    routing, tokens) (colour: precision; hatch: routing; shade: tokens; an empty slot was not measured), a
-    line at 1; and a panel of the geometric means by model, precision and routing."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    confs = result["configurations"]
-    models = [m for m in MODELS if any(e["model"] == m for e in confs)]
-    models += list(dict.fromkeys(e["model"] for e in confs if e["model"] not in models))
-    worlds = sorted({e["world"] for e in confs}) or [1]
-    slots = [(d, r, t) for d in PRECISIONS for r in dict.fromkeys(e["routing"] for e in confs)
-             for t in sorted({e["tokens_per_rank"] for e in confs})]
-    colors = dict(zip(PRECISIONS, ("tab:blue", "tab:orange", "tab:green")))
-    tokens = sorted({t for _, _, t in slots})
-    size = (max(10.0, 1.9 * max(1, len(models)) + 2), 3.3 * (len(worlds) + 1))
-    fig, axes = plt.subplots(len(worlds) + 1, 1, figsize=size, squeeze=False)
-    width = 0.85 / max(1, len(slots))
-    by_key = {(e["model"], e["world"], e["precision"], e["routing"], e["tokens_per_rank"]): e for e in confs}
-    for ax, w in zip(axes[:-1, 0], worlds):
-        top, low, n_meas = 1.1, 0.8, 0
-        for mi, m in enumerate(models):
-            for si, (d, r, t) in enumerate(slots):
-                e = by_key.get((m, w, d, r, t))
-                if not e or not e.get("speedup"):
-                    continue
-                n_meas += 1
-                alpha = 0.45 + 0.55 * (tokens.index(t) + 1) / len(tokens)
-                ax.bar(mi - 0.425 + (si + 0.5) * width, e["speedup"], width, color=colors.get(d, "gray"),
-                       alpha=alpha, hatch=HATCH.get(r, ""), edgecolor="k", linewidth=0.3)
-                top, low = max(top, e["speedup"]), min(low, 0.95 * e["speedup"])
-        ax.axhline(1.0, color="k", linewidth=0.8)
-        ax.set_xticks(range(len(models)), models)
-        ax.set_xlim(-0.5, len(models) - 0.5)
-        ax.set_ylim(low if n_meas else 0, 1.08 * top)
-        ax.set_ylabel("T_wave / T_interleaved")
-        skipped = sum(1 for e in confs if e["world"] == w and not e.get("speedup"))
-        real = any(e.get("ranks") == "real" for e in confs if e["world"] == w)
-        mode = "one GPU" if w == 1 else f"EP = {w} on {w} GPUs" if real else f"P = {w} emulated on one GPU"
-        ax.set_title(f"world {w} ({mode}): {n_meas} measured, {skipped} not (skipped, failed or not run)")
-    handles = [Patch(color=colors[d], label=d) for d in PRECISIONS]
-    handles += [Patch(facecolor="white", edgecolor="k", hatch=HATCH.get(r, ""), label=r)
-                for r in dict.fromkeys(e["routing"] for e in confs)]
-    handles += [Patch(color="gray", alpha=0.45 + 0.55 * (i + 1) / len(tokens), label=f"{t} tok/rank")
-                for i, t in enumerate(tokens)]
-    axes[0, 0].legend(handles=handles, fontsize=7, ncol=len(handles), loc="upper left")
-    ax = axes[-1, 0]
-    s = result["summary"]
-    labels, vals, shades = [], [], []
-    for name, shade in (("model", "tab:gray"), ("precision", "tab:purple"), ("routing", "tab:brown")):
-        for v, st in s[f"by_{name}"].items():
-            labels.append(str(v))
-            vals.append(st.get("geomean", 0.0))
-            shades.append(shade)
-    bars = ax.bar(range(len(vals)), vals, color=shades)
-    ax.bar_label(bars, [f"{v:.3f}" for v in vals], fontsize=7)
-    ax.axhline(1.0, color="k", linewidth=0.8)
-    ax.set_xticks(range(len(vals)), labels, rotation=30, fontsize=8)
-    ax.set_ylim(min([0.8, *(0.95 * v for v in vals)]) if vals else 0, 1.08 * max([1.1, *vals]))
-    o = s["overall"]
-    ax.set_title("geometric mean by model, precision, routing" + (
-        f"; overall {o['geomean']:.3f} (median {o['median']:.3f}, min {o['min']:.3f}, max {o['max']:.3f}, "
-        f"n {o['n']})" if o.get("n") else ": nothing measured"))
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 # --- the command ----------------------------------------------------------------------------------------------

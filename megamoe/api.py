@@ -181,8 +181,8 @@ class ScheduleTrial:
     runs first, then the first ``TRIAL_CALLS`` launches of each order alternate, each between two CUDA events
     recorded on the launch's stream; once every one of them has passed (``Event.query``: no host sync), the
     order with the lower median stays. Both orders give the same bits, so the trial changes no output. The
-    rule alone misses by up to ~3.8% on the matrices; this pick, made from 4 trials of each and judged on the
-    run's other trials, by at most 2.8% / 3.3% (``benchmarks.megamoe_auto``'s measured_pick_floor). No trial launch while
+    rule alone misses by up to ~3.8% on the matrices; this pick, made from 8 trials of each and judged on the
+    run's other trials, by at most 2.1% (``benchmarks.megamoe_auto``'s measured_pick_floor). No trial launch while
     a CUDA graph is captured (a replayed graph runs the order resolved at capture); ``events`` None (no CUDA):
     the prior stays."""
 

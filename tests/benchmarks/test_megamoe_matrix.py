@@ -486,3 +486,59 @@ def test_the_bench_still_takes_its_three_default_shapes():
     args = p.parse_args([])
     assert [s.name for s in args.shapes] == ["dsv4-flash", "qwen3-moe", "dit-moe"] and not args.matrix
     assert sys.modules["benchmarks.megamoe"] is mb
+
+
+class FakeTrial:
+    def __init__(self, prior, decided):
+        self.prior, self.decided, self.times_us, self.polls = prior, decided, {"wave": [3.0], "interleaved": [2.0]}, 0
+
+    def poll(self):
+        self.polls += 1
+
+
+class AutoLayer(FakeLayer):
+    """schedule="auto" settles on interleaved after the rule's prior, wave (the fake's trial)."""
+
+    auto_calls: ClassVar[list] = []
+
+    def forward(self, x, topk_idx, topk_weights, schedule=None):
+        if schedule == "auto":
+            AutoLayer.auto_calls.append(x.shape[0])
+            self.trial = FakeTrial("wave", "interleaved")
+            schedule = "interleaved"
+        return super().forward(x, topk_idx, topk_weights, schedule)
+
+
+def test_auto_column_settles_then_reports_its_in_run_regret(tmp_path):
+    """--auto: the auto column is settled (SETTLE_CALLS eager calls) before it is checked and timed beside the
+    two schedules in shuffled trials; its regret is its own time against the better schedule's, the pick's the
+    settled order's column; the summary and the table carry both."""
+    from benchmarks.megamoe_auto import SETTLE_CALLS
+    from megamoe.auto import MEASURED_CALLS
+
+    assert SETTLE_CALLS == 2 * MEASURED_CALLS + 2
+    AutoLayer.auto_calls = []
+    seen = []
+
+    def timer(cols, index):
+        seen.append(list(cols))
+        us = {"wave": 110.0, "interleaved": 100.0, "auto": 104.0 if index == 0 else 100.5}
+        return {n: us[n] for n in cols}, {n: [us[n]] * 3 for n in cols}
+
+    _, saved, md, _ = fake_run(tmp_path, "--auto", "--world", "1", "--routing", "balanced", "--tokens", "8,5",
+                               api=(SimpleNamespace(MegaMoE=AutoLayer), None), timer=timer)
+    assert all(cols == ["wave", "interleaved", "auto"] for cols in seen) and len(seen) == 2
+    assert len(AutoLayer.auto_calls) == 2 * (SETTLE_CALLS + 1)  # settling, then run_columns' eager check
+    assert saved["args"]["auto"] and "--auto: a third column" in saved["method"]
+    first, second = (c for c in saved["configurations"] if c["status"] == "measured")
+    assert first["auto"]["order"] == "interleaved" and first["auto"]["prior"] == "wave"
+    assert first["auto"]["settle_calls"] == SETTLE_CALLS and first["auto"]["trial_us"]["wave"] == [3.0]
+    assert first["auto_regret"] == pytest.approx(0.04) and second["auto_regret"] == pytest.approx(0.005)
+    assert first["auto_pick_regret"] == 0.0 and first["speedup"] == pytest.approx(1.1)
+    st = saved["summary"]["auto"]["overall"]
+    assert st["n"] == 2 and st["max_regret"] == pytest.approx(0.04) and st["over_3pct"] == 1
+    assert st["worst_config"] == first["key"] and st["picks_the_better"] == 2 and st["pick_max_regret"] == 0.0
+    assert "## schedule=\"auto\", in-run regret" in md and "| all | 2 | 4.0% | 2.2% | 1 | 2 | 0.0% | 0 |" in md
+    assert "| 104 | interleaved | +4.0% |" in md
+    plain = mx.configurations(parse("--world", "1"))[0]
+    assert mx.config_seconds(mx.Config(**{**vars(plain), "auto": True}), 20, 2) > mx.config_seconds(plain, 20, 2)

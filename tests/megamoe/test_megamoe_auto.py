@@ -176,9 +176,9 @@ def test_measured_pick_floor_judges_early_trials_on_the_rest():
     early_wave = [100.0] * FLOOR_TRIALS  # wave looks faster in the first trials, interleaved is faster later
     bench = {"configurations": [
         conf("bf16", early_wave + [110.0] * 6, [105.0] * FLOOR_TRIALS + [100.0] * 6),
-        conf("bf16", [100.0] * 10, [120.0] * 10),
-        conf("w8a8", [100.0] * 10, [90.0] * 10),
-        conf("bf16", [100.0] * 5, [90.0] * 5)]}  # too few trials to judge on the rest: left out
+        conf("bf16", [100.0] * (FLOOR_TRIALS + 6), [120.0] * (FLOOR_TRIALS + 6)),
+        conf("w8a8", [100.0] * (FLOOR_TRIALS + 6), [90.0] * (FLOOR_TRIALS + 6)),
+        conf("bf16", [100.0] * (FLOOR_TRIALS + 2), [90.0] * (FLOOR_TRIALS + 2))]}  # too few to judge: left out
     floor = measured_pick_floor(bench, "bf16")
     assert floor["configurations"] == 2 and floor["max_regret"] == pytest.approx(0.10)
     assert floor["over_3pct"] == 1 and floor["first_trials"] == FLOOR_TRIALS
