@@ -91,12 +91,16 @@ class _RankState:
     def __init__(self, hidden, intermediate, top_k, num_local, world, max_tokens, grid, device, group=None,
                  fp8=False):
         self.rows = world * max_tokens * top_k + num_local * 128  # each expert's rows start on a 128 boundary
+        from megamoe.phases import scale_units
+
+        # the FP8 activation scales: per 128-row block, unit-major inside it (megamoe.phases.scale_index)
+        scale_slots = -(-self.rows // 128) * 128 * scale_units(hidden, intermediate)
         slots = max_tokens * top_k
         ab = torch.float8_e4m3fn if fp8 else torch.bfloat16  # the GEMM operands
         shapes = {"pool": ((self.rows, hidden), ab), "pool_src": ((self.rows,), torch.int32),
                   "pool_w": ((self.rows,), torch.float32), "combine": ((slots, hidden), torch.bfloat16),
                   "counts": ((2 * num_local,), torch.int32), "barrier": ((1,), torch.int64),
-                  "pool_scale": ((self.rows * hidden // 128 if fp8 else 1,), torch.float32)}
+                  "pool_scale": ((scale_slots if fp8 else 1,), torch.float32)}
         offsets, total = {}, 0
         for name in self.SYMMETRIC:
             shape, dtype = shapes[name]
@@ -119,7 +123,7 @@ class _RankState:
             view = self.arena[offsets[name]:offsets[name] + n * dtype.itemsize].view(dtype).view(shape)
             setattr(self, name, view)
         self.inter = torch.empty(self.rows, intermediate, dtype=ab, device=device)
-        self.inter_scale = torch.zeros(self.rows * intermediate // 64 if fp8 else 1, dtype=torch.float32,
+        self.inter_scale = torch.zeros(scale_slots if fp8 else 1, dtype=torch.float32,
                                        device=device)
         self.tok_slot = torch.zeros(slots, dtype=torch.int32, device=device)
         self.l1_done = torch.zeros(self.rows // 128, dtype=torch.int32, device=device)

@@ -30,7 +30,7 @@ from quack import layout_utils
 from cute_kernels import flags as fl
 from cute_kernels import bulk_store, timers
 from megamoe import tile_stream as ts
-from megamoe.phases import AMAX_FLOOR, FP8_MAX, WG_THREADS, NamedBarrierMoE
+from megamoe.phases import AMAX_FLOOR, FP8_MAX, WG_THREADS, NamedBarrierMoE, scale_units
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -146,7 +146,7 @@ class StagedEpilogueMixin:
                 cute.copy(atom16, q8, cute.make_tensor(sQ.iterator + cute.assume(
                     tile_row * (2 * STAGE_ROW) + col, divby=2), cute.make_layout(2)))
             if tidx % 4 == 0:
-                s_inter[(p * BLOCK_M + tile_row) * (I // 64) + n] = scale
+                s_inter[p * (scale_units(self.hidden, I) * BLOCK_M) + n * BLOCK_M + tile_row] = scale  # scale_index
         self.staging_commit(wg)
         return waited
 

@@ -15,8 +15,9 @@ one H200, docs/FINDINGS.md, MegaMoE):
   run. A WGMMA in flight across a loop's back-edge makes ptxas serialize every WGMMA (C7514), so ``FP8_GROUP``
   blocks run straight-line per loop iteration and every WGMMA issued in an iteration retires in it; only a
   group's last unit is promoted with nothing in flight. (Groups of 8 were 1-2% slower than 4.)
-- **Scales one block ahead.** The scales are scattered global loads (L2 latency); each block's are loaded while
-  the previous block runs.
+- **Scales one block ahead.** The scales are global loads (L2 latency); each block's are loaded while the
+  previous block runs. The activation scales are unit-major inside each 128-row block (``megamoe.phases.scale_index``), so
+  a warp's loads of one block (8 consecutive rows) are one 32-byte sector.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from cutlass.cute.nvgpu import warpgroup
 from quack import layout_utils
 
 from megamoe import tile_stream as ts
-from megamoe.phases import WG_THREADS, NamedBarrierMoE
+from megamoe.phases import WG_THREADS, NamedBarrierMoE, scale_units
 
 BLOCK_M = 128
 FP8_GROUP = 4  # K blocks per mainloop iteration
@@ -68,17 +69,17 @@ class Fp8MainloopMixin:
         second (L2), the weight scales of the lo / hi columns). L1: the row's 1 x 128 activation scale, the gate
         and the up block's weight scales; L2: the two 1 x 64 scales of the intermediate row, one weight scale."""
         s_pool, s_inter, s_w1, s_w2 = scales
-        H, I = self.hidden, self.intermediate
         sa_a, sa_b, sb = dst
+        # arow: each row's scale_index at unit 0 (mainloop_fp8_tile), so unit u is u * BLOCK_M further
         if kind == ts.KIND_L1:
             for r in cutlass.range_constexpr(cute.size(arow)):
-                sa_a[r] = s_pool[arow[r] * (H // 128) + kb]
+                sa_a[r] = s_pool[arow[r] + kb * BLOCK_M]
             sb[0] = s_w1[lo + kb]
             sb[1] = s_w1[hi + kb]
         else:
             for r in cutlass.range_constexpr(cute.size(arow)):
-                sa_a[r] = s_inter[arow[r] * (I // 64) + 2 * kb]
-                sa_b[r] = s_inter[arow[r] * (I // 64) + 2 * kb + 1]
+                sa_a[r] = s_inter[arow[r] + 2 * kb * BLOCK_M]
+                sa_b[r] = s_inter[arow[r] + (2 * kb + 1) * BLOCK_M]
             sb[0] = s_w2[lo + kb]
             sb[1] = sb[0]
 
@@ -161,8 +162,9 @@ class Fp8MainloopMixin:
         ``k2`` blocks in half-block units). Returns the pipeline state and (instrument) when the first K block
         had arrived."""
         H, I = self.hidden, self.intermediate
+        units = scale_units(H, I)
         for r in cutlass.range_constexpr(cute.size(arow)):
-            arow[r] = p * BLOCK_M + rows_c[r, 0][0]
+            arow[r] = p * (units * BLOCK_M) + rows_c[r, 0][0]  # scale_index(row, 0, units)
         rows = cute.size(arow)
 
         def block_scales():  # (activation scales of the rows for unit 0, for unit 1, the lo / hi weight scales)

@@ -148,8 +148,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         (2 * E_l), ``barrier`` (1). Local: ``mInter`` (rows, I), ``tok_slot`` (max_tokens * top_k),
         ``l1_done`` (rows / 128), ``epoch``, ``done``, ``errors``, ``records``. ``peer_ptrs`` (6 * world):
         every rank's address of each symmetric buffer, in PEER_KINDS order. ``order``: tile_stream.WAVE or
-        INTERLEAVED; ``lead``: D in whole rows. w8a8: the operands are e4m3 and ``s_pool`` (rows x H/128,
-        symmetric: Dispatch writes it), ``s_inter`` (rows x I/64), ``s_w1`` (E_l x 2I/128 x H/128, the
+        INTERLEAVED; ``lead``: D in whole rows. w8a8: the operands are e4m3 and ``s_pool`` (symmetric: Dispatch
+        writes it: H/128 per row) and ``s_inter`` (I/64 per row) the activation scales, per 128-row block
+        unit-major inside it (``megamoe.phases.scale_index``), ``s_w1`` (E_l x 2I/128 x H/128, the
         weights' own layout, gate then up) and ``s_w2`` (E_l x H/128 x I/128) hold their fp32 scales; bf16
         kernels take small unused tensors there. w4a8: ``mW1`` (E_l * 2I, H / 2) and ``mW2`` (E_l * H, I / 2) the
         packed codes, ``mS1`` (E_l * 2I / 128, H / 128 * 256) and ``mS2`` (E_l * H / 128, I / 128 * 256) each

@@ -24,6 +24,19 @@ DISPATCH_BATCH = 8  # 16 B vectors per lane in flight in Dispatch's row copies (
 DISPATCH_FANOUT = 8  # a token's destinations per read of its row (top_k above it reads the row again)
 
 
+def scale_units(hidden: int, intermediate: int) -> int:
+    """Scale slots per row of both activation scale buffers: the pool's H/128 runs and the intermediate's I/64
+    share one layout (``scale_index``), so the mainloop computes one row base for L1 and L2 tiles alike."""
+    return max(hidden // 128, intermediate // 64)
+
+
+def scale_index(row, unit, units: int):
+    """Where the activation scale of pool or intermediate ``row`` for K unit ``unit`` (of ``units`` =
+    ``scale_units`` slots per row) lives: per 128-row block, unit-major inside it. Dispatch and the L1 epilogue
+    store there, the mainloop loads there (row-major, each of a warp's 8 rows of a block was its own sector)."""
+    return (row // BLOCK_M) * (units * BLOCK_M) + unit * BLOCK_M + row % BLOCK_M
+
+
 class NamedBarrierMoE(enum.IntEnum):
     """Named barriers (0 is __syncthreads). Staging pairs: MMA warpgroup w and its store warp (128 + 32)."""
     MmaGroups = 1  # both MMA warpgroups: the end of the walk and the combine
@@ -142,8 +155,9 @@ class DispatchCombineMixin:
                         dst[j] = (peer_ptrs[PEER_KINDS.index("pool") * world + owner]
                                   + Int64(row) * (H * elem))
                         if const_expr(self.fp8):
+                            # run r's scale r * BLOCK_M floats on (megamoe.fp8_mainloop.scale_index)
                             dst_scale[j] = (peer_ptrs[PEER_KINDS.index("pool_scale") * world + owner]
-                                            + Int64(row) * (H // 128 * 4))
+                                            + Int64(scale_index(row, 0, scale_units(H, self.intermediate))) * 4)
                         if lane == 0:
                             ps = self.peer(peer_ptrs, "pool_src", owner, world, Int32, 4)
                             pw = self.peer(peer_ptrs, "pool_w", owner, world, Float32, 4)
@@ -182,7 +196,7 @@ class DispatchCombineMixin:
     def push_row_fp8(self, src, dst, dst_scale, lane):
         """One warp: the bf16 token row at ``src`` quantized in 1 x 128 runs (megamoe.reference's recipe:
         scale = max(amax, 1e-4) / 448, q = x * (1 / scale)) into each FP8 pool row address of ``dst`` (0: none)
-        and its scales at ``dst_scale``. Each half-warp takes one run per step (16 lanes x 8 elements), its amax
+        and its scales at ``dst_scale`` (run r's at ``r * BLOCK_M`` floats on). Each half-warp takes one run per step (16 lanes x 8 elements), its amax
         by shuffles within the half."""
         H = self.hidden
         runs = H // 128
@@ -222,7 +236,7 @@ class DispatchCombineMixin:
                                                                    cute.make_layout(8)))
                                 if half == 0:
                                     sc = cute.make_ptr(Float32, dst_scale[d], cute.AddressSpace.gmem, assumed_align=4)
-                                    cute.arch.store((sc + run).llvm_ptr, scale)
+                                    cute.arch.store((sc + run * BLOCK_M).llvm_ptr, scale)
 
     # ---------------------------------------------------------------- phase 4: combine
     @cute.jit

@@ -219,3 +219,20 @@ def test_megamoe_op_traces_as_one_opaque_node():
     assert tuple(node.meta["val"].shape) == (300, 1152)
     with pytest.raises(ValueError, match="no live MegaMoE layer"):
         torch.ops.xstage.megamoe(x, idx, w, 12345, "wave")
+
+
+def test_activation_scale_layout_is_a_bijection_with_a_block_unit_contiguous():
+    """megamoe.phases.scale_index (Dispatch and the L1 epilogue store there, the mainloop loads there): every
+    (row, unit) of the buffers megamoe.api allocates gets its own slot, and one unit of a 128-row block's rows
+    is contiguous (a warp's 8 rows one 32-byte sector)."""
+    from megamoe.phases import BLOCK_M, scale_index, scale_units
+
+    for hidden, inter in ((4096, 2048), (1152, 4608), (4096, 1536)):
+        units = scale_units(hidden, inter)
+        assert units >= hidden // 128 and units >= inter // 64
+        rows = 3 * BLOCK_M + 37  # a partial last block: the buffer holds whole blocks
+        slots = [scale_index(r, u, units) for r in range(rows) for u in range(units)]
+        assert len(set(slots)) == len(slots) and max(slots) < -(-rows // BLOCK_M) * BLOCK_M * units
+        for r in (0, 8, BLOCK_M + 16):
+            assert [scale_index(r + i, 3, units) for i in range(8)] == list(range(scale_index(r, 3, units),
+                                                                                  scale_index(r, 3, units) + 8))
