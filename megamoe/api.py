@@ -31,6 +31,8 @@ from megamoe import tile_stream as ts
 from megamoe.auto import MEASURED_CALLS as TRIAL_CALLS  # launches of each order auto times before it settles
 from megamoe.auto import faster_measured
 
+SCALE_PAIR = 256  # megamoe.kernel.SCALE_PAIR: a stage's activation scales (fp32), the scale buffers' row width
+
 SCHEDULES = (*ts.ORDERS, "auto")
 TIMEOUT_NS = 2_000_000_000
 _KERNELS: dict = {}
@@ -100,7 +102,7 @@ class _RankState:
         shapes = {"pool": ((self.rows, hidden), ab), "pool_src": ((self.rows,), torch.int32),
                   "pool_w": ((self.rows,), torch.float32), "combine": ((slots, hidden), torch.bfloat16),
                   "counts": ((2 * num_local,), torch.int32), "barrier": ((1,), torch.int64),
-                  "pool_scale": ((scale_slots if fp8 else 1,), torch.float32)}
+                  "pool_scale": ((scale_slots if fp8 else SCALE_PAIR,), torch.float32)}
         offsets, total = {}, 0
         for name in self.SYMMETRIC:
             shape, dtype = shapes[name]
@@ -123,7 +125,7 @@ class _RankState:
             view = self.arena[offsets[name]:offsets[name] + n * dtype.itemsize].view(dtype).view(shape)
             setattr(self, name, view)
         self.inter = torch.empty(self.rows, intermediate, dtype=ab, device=device)
-        self.inter_scale = torch.zeros(scale_slots if fp8 else 1, dtype=torch.float32,
+        self.inter_scale = torch.zeros(scale_slots if fp8 else SCALE_PAIR, dtype=torch.float32,
                                        device=device)
         self.tok_slot = torch.zeros(slots, dtype=torch.int32, device=device)
         self.l1_done = torch.zeros(self.rows // 128, dtype=torch.int32, device=device)
@@ -239,6 +241,21 @@ def peer_table(states: list[_RankState], device) -> torch.Tensor:
                         dtype=torch.int64, device=device)
 
 
+def stage_weight_scales(s1: torch.Tensor, s2: torch.Tensor, num_local: int, hidden: int, intermediate: int):
+    """The weights' 128 x 128 block scales (``s1`` (E_l, 2I/128, H/128): gate blocks then up blocks; ``s2``
+    (E_l, H/128, I/128); any shape of those elements) as the kernel's producer loads them with each stage, 16
+    bytes per K block: w1 (E_l * I/128, H/128 * 4), per L1 N-block pair the gate and the up block's scale then
+    two zeros; w2 (E_l * H/128, I/128 * 4), the block's scale twice then two zeros."""
+    e, h, i = num_local, hidden // 128, intermediate // 128
+    g = s1.reshape(e, 2, i, h).float()
+    w1 = torch.zeros(e, i, h, 4, dtype=torch.float32, device=s1.device)
+    w1[..., 0], w1[..., 1] = g[:, 0], g[:, 1]
+    b = s2.reshape(e, h, i).float()
+    w2 = torch.zeros(e, h, i, 4, dtype=torch.float32, device=s2.device)
+    w2[..., 0], w2[..., 1] = b, b
+    return w1.view(e * i, h * 4), w2.view(e * h, i * 4)
+
+
 def interleave_gate_up(l1: torch.Tensor) -> torch.Tensor:
     """(E, 2I, C) gate rows then up rows -> (E * 2I, C) whose 128-row block n holds gate rows [64n, 64n + 64)
     then up rows [64n, 64n + 64), for any per-row payload C (weights, packed codes, scale runs)."""
@@ -345,9 +362,11 @@ class MegaMoE:
         self.rec_cap = 0
         self.records = torch.zeros(8, dtype=torch.int64, device=self.device)
         self.w1 = self.w2 = None
-        self.w1_scale = self.w2_scale = torch.zeros(1, dtype=torch.float32, device=self.device)
         from megamoe.kernel import MegaMoEForward
 
+        # the weight scales as the kernel's stages take them (stage_weight_scales); one unused row for bf16
+        self.w1_scale, self.w2_scale = (torch.zeros(1, k // 128 * 4, dtype=torch.float32, device=self.device)
+                                        for k in (hidden, intermediate))
         # W4A8's shift blocks (load_weights); the other kernels take one unused row
         self.w1_shift, self.w2_shift = (torch.zeros(1, MegaMoEForward.shift_cols(k), dtype=torch.uint16,
                                                     device=self.device) for k in (hidden, intermediate))
@@ -390,12 +409,13 @@ class MegaMoE:
         q2, s2 = quantize_fp8_blockwise_weights(w2[local].to(self.device))
         q1t, q2t = transform_weights(q1.view(torch.uint8), q2.view(torch.uint8), range(self.num_local))
         self.w1, self.w2 = q1t.view(torch.float8_e4m3fn), q2t.view(torch.float8_e4m3fn)
-        self.w1_scale, self.w2_scale = s1.contiguous().view(-1), s2.contiguous().view(-1)
+        self.w1_scale, self.w2_scale = stage_weight_scales(s1, s2, self.num_local, H, I)
 
     def _load_w4a8(self, w1, w2):
         local = slice(self.experts.start, self.experts.stop)
-        self.w1, self.w1_shift, self.w1_scale = w4a8_kernel_weights(w1[local], True, self.device)
-        self.w2, self.w2_shift, self.w2_scale = w4a8_kernel_weights(w2[local], False, self.device)
+        self.w1, self.w1_shift, s1 = w4a8_kernel_weights(w1[local], True, self.device)
+        self.w2, self.w2_shift, s2 = w4a8_kernel_weights(w2[local], False, self.device)
+        self.w1_scale, self.w2_scale = stage_weight_scales(s1, s2, self.num_local, self.hidden, self.intermediate)
 
     def check_inputs(self, x, topk_idx, topk_weights):
         if self.w1 is None:
@@ -484,7 +504,8 @@ class MegaMoE:
         self.kernel(x, topk_idx, topk_weights, self.w1, self.w2, y, st.pool, st.inter, st.pool_src, st.pool_w,
                     st.combine, st.counts, st.tok_slot, st.l1_done, st.barrier,
                     self.peer_ptrs if peer_ptrs is None else peer_ptrs, st.epoch, st.done, st.errors, self.records,
-                    st.pool_scale, st.inter_scale, self.w1_scale, self.w2_scale, self.w1_shift, self.w2_shift,
+                    st.pool_scale.view(-1, SCALE_PAIR), st.inter_scale.view(-1, SCALE_PAIR), self.w1_scale,
+                    self.w2_scale, self.w1_shift, self.w2_shift,
                     self.rank, self.world, self.max_tokens, order, self.experts_per_wave(x.shape[0]),
                     self.lead_rows, self.m_group, self.grid, TIMEOUT_NS, self.rec_cap)
         if timing:

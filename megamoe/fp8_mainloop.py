@@ -15,9 +15,11 @@ one H200, docs/FINDINGS.md, MegaMoE):
   run. A WGMMA in flight across a loop's back-edge makes ptxas serialize every WGMMA (C7514), so ``FP8_GROUP``
   blocks run straight-line per loop iteration and every WGMMA issued in an iteration retires in it; only a
   group's last unit is promoted with nothing in flight. (Groups of 8 were 1-2% slower than 4.)
-- **Scales one block ahead.** The scales are global loads (L2 latency); each block's are loaded while the
-  previous block runs. The activation scales are unit-major inside each 128-row block (``megamoe.phases.scale_index``), so
-  a warp's loads of one block (8 consecutive rows) are one 32-byte sector.
+- **Scales with their stage.** The producer's TMA brings each K block's activation scales (a pair of 128-row
+  units: ``megamoe.phases.scale_index`` keeps a block's rows of a unit contiguous) and its weight scales into the
+  stage beside A and B, so the MMA warpgroups read them from shared memory once the stage is full. Loaded by
+  the MMA threads themselves from global memory (one block ahead), the scales' L2 latency was their first stall
+  reason (long scoreboard, Nsight Compute), the more so once contiguous rows put a warp's 8 rows on one sector.
 """
 from __future__ import annotations
 
@@ -64,31 +66,31 @@ class Fp8MainloopMixin:
                 acc_mn[r, c + half] = acc_mn[r, c + half] + blk_mn[r, c + half] * hi
 
     @cute.jit
-    def load_block_scales(self, dst, kind, kb, arow, scales, lo, hi):
-        """K block ``kb``'s scales into ``dst`` = (activation scale of each row for the first unit, for the
-        second (L2), the weight scales of the lo / hi columns). L1: the row's 1 x 128 activation scale, the gate
-        and the up block's weight scales; L2: the two 1 x 64 scales of the intermediate row, one weight scale."""
-        s_pool, s_inter, s_w1, s_w2 = scales
+    def read_block_scales(self, dst, split: cutlass.Constexpr, kb, stage, arow, stage_scales):
+        """K block ``kb``'s scales, brought with its stage by the producer's TMA (``MegaMoEForward.load_tile``),
+        into ``dst`` = (activation scale of each row for the first unit, for the second (L2), the weight scales
+        of the lo / hi columns). The stage holds a pair of 128-row scale units: L1 (``split`` 1) the pool's units
+        kb & ~1 and kb | 1 (the row's 1 x 128 scale of block kb is the (kb % 2)-th), L2 the intermediate's 1 x 64
+        units 2 kb and 2 kb + 1; and 16 bytes of weight scales (L1: gate, up; L2: the block's, twice)."""
+        sSA, sSB = stage_scales
         sa_a, sa_b, sb = dst
-        # arow: each row's scale_index at unit 0 (mainloop_fp8_tile), so unit u is u * BLOCK_M further
-        if kind == ts.KIND_L1:
+        if const_expr(split == 1):
+            off = (kb % 2) * BLOCK_M
             for r in cutlass.range_constexpr(cute.size(arow)):
-                sa_a[r] = s_pool[arow[r] + kb * BLOCK_M]
-            sb[0] = s_w1[lo + kb]
-            sb[1] = s_w1[hi + kb]
+                sa_a[r] = sSA[off + arow[r], stage]
         else:
             for r in cutlass.range_constexpr(cute.size(arow)):
-                sa_a[r] = s_inter[arow[r] + 2 * kb * BLOCK_M]
-                sa_b[r] = s_inter[arow[r] + (2 * kb + 1) * BLOCK_M]
-            sb[0] = s_w2[lo + kb]
-            sb[1] = sb[0]
+                sa_a[r] = sSA[arow[r], stage]
+                sa_b[r] = sSA[BLOCK_M + arow[r], stage]
+        sb[0] = sSB[0, stage]
+        sb[1] = sSB[1, stage]
 
     @cute.jit
-    def fp8_blocks(self, G: cutlass.Constexpr, split: cutlass.Constexpr, n_kb: cutlass.Constexpr, mma, acc, blks,
-                   tCrA, tCrB, pipe, state, kb0, kind, arow, scales, lo, hi, cur, nxt, t_data, dq):
+    def fp8_blocks(self, G: cutlass.Constexpr, split: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state,
+                   kb0, arow, stage_scales, cur, t_data, dq):
         """K blocks [kb0, kb0 + G) of a tile of ``n_kb`` as G * ``split`` units, alternating between the two
-        accumulators ``blks``, each promoted while the next unit's WGMMA runs. ``cur`` holds block kb0's scales
-        on entry (loaded here for kb0 = 0); each block loads the next one's into ``nxt``. Every WGMMA issued here
+        accumulators ``blks``, each promoted while the next unit's WGMMA runs. Each block's scales are read into
+        ``cur`` from its stage (waited for by the unit issued before) ahead of its first promotion. Every WGMMA issued here
         retires here. W4A8 (``dq``): each block's B is converted to e4m3 once it arrived, right before its first
         WGMMA (megamoe.w4a8_dequant), under the previous unit's WGMMA. Returns the pipeline
         state after the G blocks and (instrument) when block 0 arrived."""
@@ -114,13 +116,10 @@ class Fp8MainloopMixin:
                 t_data = cute.arch.globaltimer()
         if const_expr(n_units > 1):
             issue(1)
-        if kb0 == 0:
-            self.load_block_scales(cur, kind, Int32(0), arow, scales, lo, hi)
         for u in cutlass.range_constexpr(n_units):
             g, h = u // split, u % split
-            if const_expr(h == 0):
-                if kb0 + g + 1 < n_kb:
-                    self.load_block_scales(nxt, kind, kb0 + g + 1, arow, scales, lo, hi)
+            if const_expr(h == 0):  # block g's stage was waited for when its first unit was issued
+                self.read_block_scales(cur, split, kb0 + g, states[g].index, arow, stage_scales)
             if const_expr(u + 1 < n_units):
                 warpgroup.wait_group(1)  # unit u done, unit u + 1 in flight
             else:
@@ -128,16 +127,13 @@ class Fp8MainloopMixin:
             if const_expr(h == split - 1):
                 pipe.consumer_release(states[g])
             self.promote(acc, blks[u % 2], cur[h], cur[2][0], cur[2][1])
-            if const_expr(h == split - 1):
-                for i in cutlass.range_constexpr(3):
-                    cur[i].store(nxt[i].load())
             if const_expr(u + 2 < n_units):
                 issue(u + 2)
         return states[G], t_data
 
     @cute.jit
     def fp8_k_loop(self, n_kb: cutlass.Constexpr, split: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state,
-                   kind, arow, scales, lo, hi, cur, nxt, t_data, dq):
+                   arow, stage_scales, cur, t_data, dq):
         """A tile's ``n_kb`` K blocks: FP8_GROUP blocks per loop iteration, the rest one at a time. W4A8 takes the
         largest group up to FP8_GROUP that divides ``n_kb`` (DiT-MoE's 9 L1 blocks: 3 x 3), so there is no
         one-block loop: with one, ptxas spilled a register there."""
@@ -146,49 +142,37 @@ class Fp8MainloopMixin:
             group = max(g for g in range(1, FP8_GROUP + 1) if n_kb % g == 0)
         kb = Int32(0)
         for _ in cutlass.range(n_kb // group, unroll=1):
-            state, t_data = self.fp8_blocks(group, split, n_kb, mma, acc, blks, tCrA, tCrB, pipe, state, kb, kind,
-                                            arow, scales, lo, hi, cur, nxt, t_data, dq)
+            state, t_data = self.fp8_blocks(group, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, arow,
+                                            stage_scales, cur, t_data, dq)
             kb = kb + group
         if const_expr(n_kb % group):
             for _ in cutlass.range(n_kb % group, unroll=1):
-                state, t_data = self.fp8_blocks(1, split, n_kb, mma, acc, blks, tCrA, tCrB, pipe, state, kb, kind,
-                                                arow, scales, lo, hi, cur, nxt, t_data, dq)
+                state, t_data = self.fp8_blocks(1, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, arow,
+                                                stage_scales, cur, t_data, dq)
                 kb = kb + 1
         return state, t_data
 
     @cute.jit
-    def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, kind, e, n, p, arow, rows_c, scales, dq):
+    def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, rows_c, stage_scales, dq):
         """acc = the tile's fp32 product over its 128-wide K blocks (L1: ``k1`` blocks in whole-block units; L2:
-        ``k2`` blocks in half-block units). Returns the pipeline state and (instrument) when the first K block
+        ``k2`` blocks in half-block units), the scales from each stage (``stage_scales``: the activation and the
+        weight scales' shared-memory stages). Returns the pipeline state and (instrument) when the first K block
         had arrived."""
-        H, I = self.hidden, self.intermediate
-        units = scale_units(H, I)
         for r in cutlass.range_constexpr(cute.size(arow)):
-            arow[r] = p * (units * BLOCK_M) + rows_c[r, 0][0]  # scale_index(row, 0, units)
+            arow[r] = rows_c[r, 0][0]  # this thread's rows within the tile
         rows = cute.size(arow)
-
-        def block_scales():  # (activation scales of the rows for unit 0, for unit 1, the lo / hi weight scales)
-            return (cute.make_rmem_tensor(cute.make_layout(rows), Float32),
-                    cute.make_rmem_tensor(cute.make_layout(rows), Float32),
-                    cute.make_rmem_tensor(cute.make_layout(2), Float32))
-
-        cur, nxt = block_scales(), block_scales()
+        # (activation scales of the rows for unit 0, for unit 1, the lo / hi weight scales)
+        cur = (cute.make_rmem_tensor(cute.make_layout(rows), Float32),
+               cute.make_rmem_tensor(cute.make_layout(rows), Float32),
+               cute.make_rmem_tensor(cute.make_layout(2), Float32))
         acc.fill(0.0)
         t_data = Int64(0)
-        lo, hi = Int32(0), Int32(0)
+        # L2: the intermediate's scales were stored by other CTAs' L1 epilogues before their release on
+        # l1_done[p]; the producer acquired that counter and fenced the async proxy before this tile's TMA loads
         if kind == ts.KIND_L1:
-            lo = (e * (2 * I // 128) + n // 2) * (H // 128)  # the gate rows' weight block row; up: I / 128 later
-            hi = lo + (I // 128) * (H // 128)
+            state, t_data = self.fp8_k_loop(self.k1, 1, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
+                                            cur, t_data, dq)
         else:
-            # the scales below were stored by other CTAs' L1 epilogues before their release on l1_done[p]; the
-            # producer acquired that counter before this tile's first load, so once the first stage arrived
-            # (producer acquire -> its TMA -> the stage's mbarrier -> this warpgroup's wait) all are visible
-            lo = (e * (H // 128) + n) * (I // 128)
-            hi = lo
-        if kind == ts.KIND_L1:
-            state, t_data = self.fp8_k_loop(self.k1, 1, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, scales,
-                                            lo, hi, cur, nxt, t_data, dq)
-        else:
-            state, t_data = self.fp8_k_loop(self.k2, 2, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, scales,
-                                            lo, hi, cur, nxt, t_data, dq)
+            state, t_data = self.fp8_k_loop(self.k2, 2, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
+                                            cur, t_data, dq)
         return state, t_data

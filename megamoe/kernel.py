@@ -51,7 +51,7 @@ from cute_kernels import timers
 from megamoe import tile_stream as ts
 from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
 from megamoe.fp8_mainloop import Fp8MainloopMixin
-from megamoe.phases import NUM_THREADS, WG_THREADS, DispatchCombineMixin, NamedBarrierMoE
+from megamoe.phases import NUM_THREADS, WG_THREADS, DispatchCombineMixin, NamedBarrierMoE, scale_units
 from megamoe.w4a8_dequant import SHIFT_STAGE_BYTES, SHIFT_TABLE, W4DequantMixin
 
 BLOCK_M = 128
@@ -59,6 +59,7 @@ BLOCK_N = 128
 # one pipeline stage's K extent: 64 bf16 or 128 FP8 elements (128 bytes, one swizzle row; for FP8 also the
 # 128-wide scale block, promoted to fp32 once per stage; W4A8 converts its packed stage into that form)
 STAGE_K = {"bf16": 64, "w8a8": 128, "w4a8": 128}
+SCALE_PAIR = 2 * 128  # FP8: the activation scales a stage brings, a pair of 128-row units (megamoe.phases)
 PRECISIONS = tuple(STAGE_K)
 ERR_L1_TIMEOUT = 6
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
@@ -130,7 +131,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         return (mat(bf16, H), mat(Int32, k), mat(Float32, k), w1, w2, mat(bf16, H),
                 mat(ab, H), mat(ab, I), vec(Int32), vec(Float32), mat(bf16, H), vec(Int32), vec(Int32),
                 vec(Int32), vec(Int64, 8), vec(Int64, 8), vec(Int64, 8), vec(Int32), vec(Int32), vec(Int64, 8),
-                vec(Float32), vec(Float32), vec(Float32), vec(Float32), mat(cutlass.Uint16, self.shift_cols(H)),
+                mat(Float32, SCALE_PAIR), mat(Float32, SCALE_PAIR), mat(Float32, H // 128 * 4),
+                mat(Float32, I // 128 * 4), mat(cutlass.Uint16, self.shift_cols(H)),
                 mat(cutlass.Uint16, self.shift_cols(I)), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int64(1), Int32(1))
 
     @cute.jit
@@ -150,9 +152,10 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         every rank's address of each symmetric buffer, in PEER_KINDS order. ``order``: tile_stream.WAVE or
         INTERLEAVED; ``lead``: D in whole rows. w8a8: the operands are e4m3 and ``s_pool`` (symmetric: Dispatch
         writes it: H/128 per row) and ``s_inter`` (I/64 per row) the activation scales, per 128-row block
-        unit-major inside it (``megamoe.phases.scale_index``), ``s_w1`` (E_l x 2I/128 x H/128, the
-        weights' own layout, gate then up) and ``s_w2`` (E_l x H/128 x I/128) hold their fp32 scales; bf16
-        kernels take small unused tensors there. w4a8: ``mW1`` (E_l * 2I, H / 2) and ``mW2`` (E_l * H, I / 2) the
+        unit-major inside it (``megamoe.phases.scale_index``), as (slots / 256, 256); ``s_w1`` (E_l * I/128,
+        H/128 * 4: per L1 N-block pair and K block the gate and up blocks' scales, two zeros) and ``s_w2``
+        (E_l * H/128, I/128 * 4: the block's scale twice, two zeros) the weight scales as a stage takes them
+        (``megamoe.api.stage_weight_scales``); bf16 kernels take small unused tensors there. w4a8: ``mW1`` (E_l * 2I, H / 2) and ``mW2`` (E_l * H, I / 2) the
         packed codes, ``mS1`` (E_l * 2I / 128, H / 128 * 256) and ``mS2`` (E_l * H / 128, I / 128 * 256) each
         128 x 128 block's 512 shift bytes (``MegaMoE.load_weights``); other kernels take small unused ones."""
         atoms = (2, 1, 1)  # warpgroups per tile
@@ -176,6 +179,14 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         one_s = cute.make_layout((1, SHIFT_STAGE_BYTES // 2), stride=(SHIFT_STAGE_BYTES // 2, 1))
         tma_s1, gS1 = cpasync.make_tiled_tma_atom(op, mS1, one_s, (1, SHIFT_STAGE_BYTES // 2))
         tma_s2, gS2 = cpasync.make_tiled_tma_atom(op, mS2, one_s, (1, SHIFT_STAGE_BYTES // 2))
+        # FP8: each stage's scales by TMA beside A and B (megamoe.fp8_mainloop.read_block_scales)
+        one_sa = cute.make_layout((1, SCALE_PAIR), stride=(SCALE_PAIR, 1))
+        tma_sa1, gSA1 = cpasync.make_tiled_tma_atom(op, s_pool, one_sa, (1, SCALE_PAIR))
+        tma_sa2, gSA2 = cpasync.make_tiled_tma_atom(op, s_inter, one_sa, (1, SCALE_PAIR))
+        one_sb = cute.make_layout((1, 4), stride=(4, 1))
+        tma_sb1, gSB1 = cpasync.make_tiled_tma_atom(op, s_w1, one_sb, (1, 4))
+        tma_sb2, gSB2 = cpasync.make_tiled_tma_atom(op, s_w2, one_sb, (1, 4))
+        s_inter_flat = cute.make_tensor(s_inter.iterator, cute.make_layout(cute.size(s_inter)))
         if const_expr(self.w4):  # the packed codes, unswizzled (the MMA threads read them, not WGMMA)
             one_p = cute.make_layout((BLOCK_N, self.bk // 2), stride=(self.bk // 2, 1))
             tma_w1, gW1 = cpasync.make_tiled_tma_atom(op, mW1, one_p, (BLOCK_N, self.bk // 2))
@@ -185,7 +196,10 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             tma_w1, gW1 = cpasync.make_tiled_tma_atom(op, mW1, one_b, (BLOCK_N, self.bk))
             tma_w2, gW2 = cpasync.make_tiled_tma_atom(op, mW2, one_b, (BLOCK_N, self.bk))
             tx = cute.size_in_bytes(ab, one_a) + cute.size_in_bytes(ab, one_b)
+        if const_expr(self.fp8):
+            tx = tx + SCALE_PAIR * 4 + 16
         w4_stages = self.ab_stages if self.w4 else 1
+        sc_stages = self.ab_stages if self.fp8 else 1
         E = self.num_local_experts
 
         @cute.struct
@@ -201,10 +215,13 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             sP: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK_N * self.bk // 2 * w4_stages], 1024]
             sS: cute.struct.Align[cute.struct.MemRange[cutlass.Uint16, SHIFT_STAGE_BYTES // 2 * w4_stages], 128]
             lut: cute.struct.Align[cute.struct.MemRange[Int32, len(SHIFT_TABLE)], 16]
+            # FP8: each stage's activation scales (a pair of 128-row units) and weight scales (16 bytes)
+            sSA: cute.struct.Align[cute.struct.MemRange[Float32, SCALE_PAIR * sc_stages], 128]
+            sSB: cute.struct.Align[cute.struct.MemRange[Float32, 4 * sc_stages], 16]
 
         self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
-                    peer_ptrs, epoch, done, errors, records, (s_pool, s_inter, s_w1, s_w2), gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2,
-                    gS1, gS2, tma_s1, tma_s2,
+                    peer_ptrs, epoch, done, errors, records, s_inter_flat, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1,
+                    tma_w2, gS1, gS2, tma_s1, tma_s2, gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2,
                     sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
                     experts_per_wave, lead, m_group, timeout_ns, rec_cap, SharedStorage).launch(
             grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
@@ -212,9 +229,10 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
     # ---------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
-               peer_ptrs, epoch, done, errors, records, scales, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
+               peer_ptrs, epoch, done, errors, records, s_inter, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
                tma_h: cute.CopyAtom, tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, gS1, gS2, tma_s1: cute.CopyAtom,
-               tma_s2: cute.CopyAtom, sA_layout: cute.ComposedLayout,
+               tma_s2: cute.CopyAtom, gSA1, gSA2, gSB1, gSB2, tma_sa1: cute.CopyAtom, tma_sa2: cute.CopyAtom,
+               tma_sb1: cute.CopyAtom, tma_sb2: cute.CopyAtom, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, sH_layout: cute.Layout,
                mma: cute.TiledMma, mma_half: cute.TiledMma, tx: cutlass.Constexpr, rank: Int32, world: Int32,
                max_tokens: Int32, order: Int32, experts_per_wave: Int32, lead: Int32, m_group: Int32, timeout_ns: Int64,
@@ -228,6 +246,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                 cpasync.prefetch_descriptor(atom)
             if const_expr(self.w4):
                 for atom in (tma_s1, tma_s2):
+                    cpasync.prefetch_descriptor(atom)
+            if const_expr(self.fp8):
+                for atom in (tma_sa1, tma_sa2, tma_sb1, tma_sb2):
                     cpasync.prefetch_descriptor(atom)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -264,14 +285,15 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
-                self.load(gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, (gS1, gS2, tma_s1, tma_s2), storage,
-                          sA_layout, sB_layout, pipe, walk, l1_done, errors, timeout_ns)
+                self.load(gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, (gS1, gS2, tma_s1, tma_s2),
+                          (gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2), storage, sA_layout,
+                          sB_layout, pipe, walk, l1_done, errors, timeout_ns)
             elif warp_idx <= 2:
                 self.store_walk(storage.sC.get_tensor(sC_layout), mInter, pool_src, peer_ptrs, records, walk, s_ntok,
                                 l1_done, world, max_tokens, rec_cap, warp_idx - 1, tidx % 32)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
-            self.mma(pool_w, records, scales, storage, (sA_layout, sB_layout, sC_layout, sH_layout), mma, mma_half,
+            self.mma(pool_w, records, s_inter, storage, (sA_layout, sB_layout, sC_layout, sH_layout), mma, mma_half,
                      pipe, walk, s_ntok, rec_cap, tidx - WG_THREADS)
             if const_expr(self.instrument):
                 if tidx == WG_THREADS:
@@ -290,10 +312,10 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
 
     # ---------------------------------------------------------------- phase 3: the producer warp
     @cute.jit
-    def load(self, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, shifts, storage, sA_layout, sB_layout, pipe,
-             walk, l1_done, errors, timeout_ns):
+    def load(self, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, shifts, stage_scales, storage, sA_layout,
+             sB_layout, pipe, walk, l1_done, errors, timeout_ns):
         """Per tile of the walk: (L2) wait for its row's L1 half-tiles, then its K blocks of A and B (W4A8: B's
-        packed codes and shifts)."""
+        packed codes and shifts; FP8: each block's activation and weight scales)."""
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         gS1, gS2, tma_s1, tma_s2 = shifts
@@ -303,6 +325,15 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             sB = storage.sP.get_tensor(cute.make_layout((BLOCK_N, half_k, S), stride=(half_k, 1, BLOCK_N * half_k)))
             w = SHIFT_STAGE_BYTES // 2
             sS = storage.sS.get_tensor(cute.make_layout((1, w, S), stride=(w, 1, w)))
+        sc1 = sc2 = None
+        if const_expr(self.fp8):
+            gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2 = stage_scales
+            S = self.ab_stages
+            sSA = storage.sSA.get_tensor(cute.make_layout((1, SCALE_PAIR, S), stride=(SCALE_PAIR, 1, SCALE_PAIR)))
+            sSB = storage.sSB.get_tensor(cute.make_layout((1, 4, S), stride=(4, 1, 4)))
+            sc1 = (tma_sa1, gSA1, tma_sb1, gSB1, sSA, sSB)
+            sc2 = (tma_sa2, gSA2, tma_sb2, gSB2, sSA, sSB)
+        units = scale_units(self.hidden, self.intermediate)
         order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
         E = self.num_local_experts
         # the pool rows arrived by generic-proxy stores (Dispatch, ordered by barrier B2); TMA reads them
@@ -313,24 +344,30 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                                                     grid, self.n1, self.n2, E)
         while found != 0:
             if kind == ts.KIND_L1:
+                # the pool's scale pair of block kb: row p * units / 2 + kb // 2; the weight scales of the gate
+                # and up blocks of this N-block pair: row e * I/128 + n // 2
                 state = self.load_tile(tma_x, gX, tma_w1, gW1, p, e * self.n1 + n, sA, sB, self.k1, pipe, state,
-                                       (tma_s1, gS1, sS))
+                                       (tma_s1, gS1, sS), sc1, (p * (units // 2), True,
+                                                                e * (self.intermediate // 128) + n // 2))
             else:
                 fl.wait_geq(l1_done, p, Int32(self.l1_arrivals), timeout_ns, errors, Int32(ERR_L1_TIMEOUT), bidx,
                             "gpu", 0, True)
                 # the intermediate was written by generic-proxy stores; TMA reads through the async proxy
                 cute.arch.fence_proxy("async.global")
                 state = self.load_tile(tma_h, gH, tma_w2, gW2, p, e * self.n2 + n, sA, sB, self.k2, pipe, state,
-                                       (tma_s2, gS2, sS))
+                                       (tma_s2, gS2, sS), sc2, (p * (units // 2), False, e * self.n2 + n))
             found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
                                                         grid, self.n1, self.n2, E)
         pipe.producer_tail(state)
 
     @cute.jit
     def load_tile(self, tma_a, gA, tma_b, gB, a_block, b_block, sA, sB, n_kb: cutlass.Constexpr, pipe, state,
-                  shifts):
+                  shifts, stage_scales, scale_rows):
         """One tile's ``n_kb`` K blocks: A's 128-row block ``a_block`` and B's ``b_block`` into the pipeline
-        (W4A8: B's packed codes and, from ``shifts``, the block's shift bytes)."""
+        (W4A8: B's packed codes and, from ``shifts``, the block's shift bytes; FP8: from ``stage_scales`` block
+        kb's activation scale pair, row ``row0 + kb`` (``row0 + kb // 2`` where ``halve``: L1, whose 1 x 128
+        scales pair two blocks) and its weight scales, block kb of row ``b_row``: ``scale_rows`` = (row0,
+        halve, b_row))."""
         load_a, _, _ = copy_utils.tma_get_copy_fn(tma_a, 0, cute.make_layout(1), cute.local_tile(
             gA, (BLOCK_M, self.bk), (a_block, None)), sA)
         b_k = self.bk // 2 if const_expr(self.w4) else self.bk
@@ -341,12 +378,26 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             tma_s, gS, sS = shifts
             load_s, _, _ = copy_utils.tma_get_copy_fn(tma_s, 0, cute.make_layout(1), cute.local_tile(
                 gS, (1, SHIFT_STAGE_BYTES // 2), (b_block, None)), sS)
+        load_sa = load_sb = None
+        if const_expr(self.fp8):
+            tma_sa, gSA, tma_sb, gSB, sSA, sSB = stage_scales
+            row0, halve, b_row = scale_rows
+            load_sa, _, _ = copy_utils.tma_get_copy_fn(tma_sa, 0, cute.make_layout(1), cute.local_tile(
+                gSA, (1, SCALE_PAIR), (None, 0)), sSA)
+            load_sb, _, _ = copy_utils.tma_get_copy_fn(tma_sb, 0, cute.make_layout(1), cute.local_tile(
+                gSB, (1, 4), (b_row, None)), sSB)
         for kb in cutlass.range(n_kb, unroll=1):
             pipe.producer_acquire(state)
             load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
             load_b(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
             if const_expr(self.w4):
                 load_s(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
+            if const_expr(self.fp8):
+                row = row0 + kb
+                if const_expr(halve):
+                    row = row0 + kb // 2
+                load_sa(src_idx=row, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
+                load_sb(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
             state.advance()
         return state
 
@@ -388,7 +439,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         return state
 
     @cute.jit
-    def mma(self, pool_w, records, scales, storage, layouts, mma, mma_half, pipe, walk, s_ntok, rec_cap, tidx):
+    def mma(self, pool_w, records, s_inter, storage, layouts, mma, mma_half, pipe, walk, s_ntok, rec_cap, tidx):
         """The two MMA warpgroups: per tile of the walk its mainloop, then each warpgroup stages its 64 rows for
         its store warp (L1: SwiGLU x weight; L2: the bf16 rows of the Combine) and goes on (megamoe.epilogue)."""
         sA_layout, sB_layout, sC_layout, sH_layout = layouts
@@ -410,10 +461,14 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                   storage.sS.get_tensor(cute.make_layout(SHIFT_STAGE_BYTES // 2 * self.ab_stages)),
                   storage.lut.get_tensor(cute.make_layout(len(SHIFT_TABLE))),
                   cute.recast_ptr(storage.sB.data_ptr(), dtype=Int32), tidx)
+        stage_scales = None
         if const_expr(self.fp8):  # the two block accumulators of the W8A8 promotion units (megamoe.fp8_mainloop)
             blks = (cute.make_fragment_like(acc), cute.make_fragment_like(acc))
+            S = self.ab_stages
+            stage_scales = (storage.sSA.get_tensor(cute.make_layout((SCALE_PAIR, S), stride=(1, SCALE_PAIR))),
+                            storage.sSB.get_tensor(cute.make_layout((4, S), stride=(1, 4))))
         arow = cute.make_rmem_tensor(cute.make_layout(cute.size(layout_utils.reshape_acc_to_mn(acc), mode=[0])),
-                                     Int32)  # FP8: this thread's pool rows, for the activation scales
+                                     Int32)  # FP8: this thread's rows in the tile, for the activation scales
         acc_h = cute.make_rmem_tensor(wg_half.partition_shape_C((BLOCK_M, BLOCK_N // 2)), Float32)
         st_atom = copy_utils.get_smem_store_atom(self.dtype)
         thr_c = cute.make_tiled_copy_C(st_atom, mma).get_slice(tidx)
@@ -442,8 +497,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             t_data = Int64(0)
             if s_ntok[e] - m * BLOCK_M > wg * self.wg_rows:
                 if const_expr(self.fp8):
-                    state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, e, n, p,
-                                                           arow, rows_c, scales, dq)
+                    state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow,
+                                                           rows_c, stage_scales, dq)
                 else:
                     state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
             else:
@@ -458,7 +513,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             waited = Int64(0)
             if kind == ts.KIND_L1:
                 if const_expr(self.fp8):
-                    waited = self.stage_l1_fp8(acc, wts, sQ, scales[1], p, n, rows_c, wg, j, tidx, s_ntok)
+                    waited = self.stage_l1_fp8(acc, wts, sQ, s_inter, p, n, rows_c, wg, j, tidx, s_ntok)
                 else:
                     waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j, s_ntok)
             else:

@@ -26,8 +26,10 @@ DISPATCH_FANOUT = 8  # a token's destinations per read of its row (top_k above i
 
 def scale_units(hidden: int, intermediate: int) -> int:
     """Scale slots per row of both activation scale buffers: the pool's H/128 runs and the intermediate's I/64
-    share one layout (``scale_index``), so the mainloop computes one row base for L1 and L2 tiles alike."""
-    return max(hidden // 128, intermediate // 64)
+    share one layout (``scale_index``); even, so a stage's pair of units (units 2i, 2i + 1 of a 128-row block) is
+    one 1 KiB TMA box."""
+    units = max(hidden // 128, intermediate // 64)
+    return units + units % 2
 
 
 def scale_index(row, unit, units: int):

@@ -154,6 +154,9 @@ def test_peer_table_rows_agree():
     from megamoe.phases import PEER_KINDS
 
     assert _RankState.SYMMETRIC == PEER_KINDS
+    from megamoe import api, kernel
+
+    assert api.SCALE_PAIR == kernel.SCALE_PAIR  # the scale buffers' row width is the stage's TMA box
     assert precision_of(torch.bfloat16) == "bf16" and precision_of(torch.float8_e4m3fn) == "w8a8"
     assert precision_of("w4a8") == "w4a8"
     with pytest.raises(ValueError, match="not supported"):
@@ -236,3 +239,19 @@ def test_activation_scale_layout_is_a_bijection_with_a_block_unit_contiguous():
         for r in (0, 8, BLOCK_M + 16):
             assert [scale_index(r + i, 3, units) for i in range(8)] == list(range(scale_index(r, 3, units),
                                                                                   scale_index(r, 3, units) + 8))
+
+
+def test_stage_weight_scales_pair_gate_and_up_per_k_block(seed):
+    """megamoe.api.stage_weight_scales: L1 row e * I/128 + j, K block kb holds (gate block j's scale, up block
+    j's, 0, 0); L2 row e * H/128 + n holds (s, s, 0, 0): what read_block_scales takes as the lo / hi scales."""
+    from megamoe.api import stage_weight_scales
+
+    e, h, i = 3, 4096 // 128, 1536 // 128
+    g = torch.Generator().manual_seed(seed)
+    s1, s2 = torch.rand(e, 2 * i, h, generator=g), torch.rand(e, h, i, generator=g)
+    w1, w2 = stage_weight_scales(s1.view(-1), s2.view(-1), e, 4096, 1536)
+    assert w1.shape == (e * i, h * 4) and w2.shape == (e * h, i * 4)
+    for ee, j, kb in ((0, 0, 0), (2, i - 1, h - 1), (1, 5, 7)):
+        assert w1[ee * i + j, kb * 4:kb * 4 + 4].tolist() == [s1[ee, j, kb].item(), s1[ee, i + j, kb].item(), 0, 0]
+    for ee, n, kb in ((0, 0, 0), (2, h - 1, i - 1), (1, 9, 3)):
+        assert w2[ee * h + n, kb * 4:kb * 4 + 4].tolist() == [s2[ee, n, kb].item()] * 2 + [0, 0]
