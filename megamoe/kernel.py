@@ -60,6 +60,7 @@ BLOCK_N = 128
 # 128-wide scale block, promoted to fp32 once per stage; W4A8 converts its packed stage into that form)
 STAGE_K = {"bf16": 64, "w8a8": 128, "w4a8": 128}
 SCALE_PAIR = 2 * 128  # FP8: the activation scales a stage brings, a pair of 128-row units (megamoe.phases)
+SB_STAGE = 32  # floats between two stages' 16 bytes of weight scales: a TMA destination is 128-byte aligned
 PRECISIONS = tuple(STAGE_K)
 ERR_L1_TIMEOUT = 6
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
@@ -217,7 +218,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             lut: cute.struct.Align[cute.struct.MemRange[Int32, len(SHIFT_TABLE)], 16]
             # FP8: each stage's activation scales (a pair of 128-row units) and weight scales (16 bytes)
             sSA: cute.struct.Align[cute.struct.MemRange[Float32, SCALE_PAIR * sc_stages], 128]
-            sSB: cute.struct.Align[cute.struct.MemRange[Float32, 4 * sc_stages], 16]
+            sSB: cute.struct.Align[cute.struct.MemRange[Float32, SB_STAGE * sc_stages], 128]
 
         self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
                     peer_ptrs, epoch, done, errors, records, s_inter_flat, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1,
@@ -330,7 +331,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2 = stage_scales
             S = self.ab_stages
             sSA = storage.sSA.get_tensor(cute.make_layout((1, SCALE_PAIR, S), stride=(SCALE_PAIR, 1, SCALE_PAIR)))
-            sSB = storage.sSB.get_tensor(cute.make_layout((1, 4, S), stride=(4, 1, 4)))
+            sSB = storage.sSB.get_tensor(cute.make_layout((1, 4, S), stride=(4, 1, SB_STAGE)))
             sc1 = (tma_sa1, gSA1, tma_sb1, gSB1, sSA, sSB)
             sc2 = (tma_sa2, gSA2, tma_sb2, gSB2, sSA, sSB)
         units = scale_units(self.hidden, self.intermediate)
@@ -466,7 +467,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             blks = (cute.make_fragment_like(acc), cute.make_fragment_like(acc))
             S = self.ab_stages
             stage_scales = (storage.sSA.get_tensor(cute.make_layout((SCALE_PAIR, S), stride=(1, SCALE_PAIR))),
-                            storage.sSB.get_tensor(cute.make_layout((4, S), stride=(1, 4))))
+                            storage.sSB.get_tensor(cute.make_layout((4, S), stride=(1, SB_STAGE))))
         arow = cute.make_rmem_tensor(cute.make_layout(cute.size(layout_utils.reshape_acc_to_mn(acc), mode=[0])),
                                      Int32)  # FP8: this thread's rows in the tile, for the activation scales
         acc_h = cute.make_rmem_tensor(wg_half.partition_shape_C((BLOCK_M, BLOCK_N // 2)), Float32)
