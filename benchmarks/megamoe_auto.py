@@ -121,9 +121,9 @@ def measured_pick_floor(bench: dict, dtype: str | None = None, first: int | None
 def _settle_calls() -> int:
     from megamoe.auto import MEASURED_CALLS
 
-    # the first call's trial is keyed on the layer's previous histogram, the rest on these inputs'; each order
-    # is timed MEASURED_CALLS times, and the last call's events are read by the poll after it
-    return 2 * MEASURED_CALLS + 2
+    # the first call's trial is keyed on the layer's previous histogram, the rest on these inputs': each order
+    # is timed MEASURED_CALLS times
+    return 1 + 2 * MEASURED_CALLS
 
 
 SETTLE_CALLS = _settle_calls()
@@ -137,17 +137,22 @@ def auto_trial(layer):
 
 
 def settle_auto(call, layer, sync=None) -> dict:
-    """``call`` (one eager schedule="auto" forward of the configuration's inputs) SETTLE_CALLS times, each
-    followed by ``sync`` (default torch.cuda.synchronize), so the trial for these inputs has timed both orders
-    and decided before a graph captures the order. A fixed count: the ranks of a real group launch alike.
-    Returns the settled order (None: not decided), the rule's prior, and the trial's times."""
+    """``call`` (one eager schedule="auto" forward of the configuration's inputs) SETTLE_CALLS times, so the
+    trial for these inputs has timed both orders and decided before a graph captures the order: the first call,
+    then ``sync`` (default torch.cuda.synchronize; its routing histogram lands, so the next calls are keyed on
+    these inputs), the trial's calls back to back, as a serving loop runs them (synchronized one by one, the
+    calls met a cool, faster-clocked chip, where the orders rank differently than in the graphs' hot trials:
+    the 664e95b matrix), then ``sync`` and the trial's poll. A fixed count: the ranks of a real group launch
+    alike. Returns the settled order (None: not decided), the rule's prior, and the trial's times."""
     if sync is None:
         import torch
 
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(SETTLE_CALLS):
+    call()
+    sync()
+    for _ in range(SETTLE_CALLS - 1):
         call()
-        sync()
+    sync()
     trial = auto_trial(layer)
     trial.poll()
     return {"order": trial.decided, "prior": trial.prior, "settle_calls": SETTLE_CALLS,

@@ -516,7 +516,7 @@ def test_auto_column_settles_then_reports_its_in_run_regret(tmp_path):
     from benchmarks.megamoe_auto import SETTLE_CALLS
     from megamoe.auto import MEASURED_CALLS
 
-    assert SETTLE_CALLS == 2 * MEASURED_CALLS + 2
+    assert SETTLE_CALLS == 1 + 2 * MEASURED_CALLS
     AutoLayer.auto_calls = []
     seen = []
 
@@ -542,3 +542,16 @@ def test_auto_column_settles_then_reports_its_in_run_regret(tmp_path):
     assert "| 104 | interleaved | +4.0% |" in md
     plain = mx.configurations(parse("--world", "1"))[0]
     assert mx.config_seconds(mx.Config(**{**vars(plain), "auto": True}), 20, 2) > mx.config_seconds(plain, 20, 2)
+
+
+def test_settle_auto_syncs_after_the_first_call_then_runs_the_trial_back_to_back():
+    from benchmarks.megamoe_auto import SETTLE_CALLS, settle_auto
+
+    log = []
+    layer = SimpleNamespace(trial=FakeTrial("wave", "interleaved"))
+    out = settle_auto(lambda: log.append("call"), layer, sync=lambda: log.append("sync"))
+    assert log == ["call", "sync"] + ["call"] * (SETTLE_CALLS - 1) + ["sync"]
+    assert out == {"order": "interleaved", "prior": "wave", "settle_calls": SETTLE_CALLS,
+                   "trial_us": {"wave": [3.0], "interleaved": [2.0]}} and layer.trial.polls == 1
+    emulated = SimpleNamespace(emulated=SimpleNamespace(ranks=[layer, None]))
+    assert settle_auto(lambda: None, emulated, sync=lambda: None)["order"] == "interleaved"  # the lead rank's
