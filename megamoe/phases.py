@@ -35,7 +35,7 @@ def scale_units(hidden: int, intermediate: int) -> int:
 def scale_index(row, unit, units: int):
     """Where the activation scale of pool or intermediate ``row`` for K unit ``unit`` (of ``units`` =
     ``scale_units`` slots per row) lives: per 128-row block, unit-major inside it. Dispatch and the L1 epilogue
-    store there, the mainloop loads there (row-major, each of a warp's 8 rows of a block was its own sector)."""
+    store there; the producer's TMA takes units 2i and 2i + 1 of a block, 1 KiB, with a stage (megamoe.kernel)."""
     return (row // BLOCK_M) * (units * BLOCK_M) + unit * BLOCK_M + row % BLOCK_M
 
 

@@ -104,6 +104,9 @@ def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, inst
         pytest.skip("no nvdisasm on this machine (it comes with triton): cannot read the SASS")
     assert text.count("QGMMA.64x128x32.F32.E4M3.E4M3") == n_wgmma, "FP8 WGMMA in the SASS"
     assert text.count("WARPGROUP.DEPBAR") < text.count("QGMMA.64x128x32.F32.E4M3.E4M3"), "WGMMA serialized"
+    # the scales come with each stage: per kind (L1, L2) the TMA loads of A, B, the activation scale pair and
+    # the weight scales (the bf16 kernel has A and B only)
+    assert text.count("UTMALDG") == 8, "the scales by TMA with their stage"
     # the promotions run under WGMMAs: inside a group, 64 FFMAs (a 64 x 128 warpgroup's accumulator) sit between
     # a wait that leaves one WGMMA group in flight and the next QGMMA issue: every unit but a group's last two
     covered = _ffma_runs_under_wgmma(text)
@@ -225,9 +228,9 @@ def test_megamoe_op_traces_as_one_opaque_node():
 
 
 def test_activation_scale_layout_is_a_bijection_with_a_block_unit_contiguous():
-    """megamoe.phases.scale_index (Dispatch and the L1 epilogue store there, the mainloop loads there): every
-    (row, unit) of the buffers megamoe.api allocates gets its own slot, and one unit of a 128-row block's rows
-    is contiguous (a warp's 8 rows one 32-byte sector)."""
+    """megamoe.phases.scale_index (Dispatch and the L1 epilogue store there, the producer's TMA loads there):
+    every (row, unit) of the buffers megamoe.api allocates gets its own slot, one unit of a 128-row block's rows
+    is contiguous, and units 2i, 2i + 1 of a block are one 256-float row of the (slots / 256, 256) view."""
     from megamoe.phases import BLOCK_M, scale_index, scale_units
 
     for hidden, inter in ((4096, 2048), (1152, 4608), (4096, 1536)):
@@ -236,9 +239,13 @@ def test_activation_scale_layout_is_a_bijection_with_a_block_unit_contiguous():
         rows = 3 * BLOCK_M + 37  # a partial last block: the buffer holds whole blocks
         slots = [scale_index(r, u, units) for r in range(rows) for u in range(units)]
         assert len(set(slots)) == len(slots) and max(slots) < -(-rows // BLOCK_M) * BLOCK_M * units
+        assert units % 2 == 0
         for r in (0, 8, BLOCK_M + 16):
             assert [scale_index(r + i, 3, units) for i in range(8)] == list(range(scale_index(r, 3, units),
                                                                                   scale_index(r, 3, units) + 8))
+        for block, i in ((0, 0), (2, units // 2 - 1)):
+            first = scale_index(block * BLOCK_M, 2 * i, units)
+            assert first % 256 == 0 and scale_index(block * BLOCK_M + 127, 2 * i + 1, units) == first + 255
 
 
 def test_stage_weight_scales_pair_gate_and_up_per_k_block(seed):
