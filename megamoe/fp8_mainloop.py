@@ -30,7 +30,7 @@ from cutlass.cute.nvgpu import warpgroup
 from quack import layout_utils
 
 from megamoe import tile_stream as ts
-from megamoe.phases import WG_THREADS, NamedBarrierMoE, scale_units
+from megamoe.phases import WG_THREADS, NamedBarrierMoE
 
 BLOCK_M = 128
 FP8_GROUP = 4  # K blocks per mainloop iteration
@@ -88,12 +88,12 @@ class Fp8MainloopMixin:
     @cute.jit
     def fp8_blocks(self, G: cutlass.Constexpr, split: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state,
                    kb0, arow, stage_scales, cur, t_data, dq):
-        """K blocks [kb0, kb0 + G) of a tile of ``n_kb`` as G * ``split`` units, alternating between the two
+        """K blocks [kb0, kb0 + G) of a tile as G * ``split`` units, alternating between the two
         accumulators ``blks``, each promoted while the next unit's WGMMA runs. Each block's scales are read into
-        ``cur`` from its stage (waited for by the unit issued before) ahead of its first promotion. Every WGMMA issued here
-        retires here. W4A8 (``dq``): each block's B is converted to e4m3 once it arrived, right before its first
-        WGMMA (megamoe.w4a8_dequant), under the previous unit's WGMMA. Returns the pipeline
-        state after the G blocks and (instrument) when block 0 arrived."""
+        ``cur`` from its stage (waited for by the unit issued before) ahead of its first promotion. Every WGMMA
+        issued here retires here. W4A8 (``dq``): each block's B is converted to e4m3 once it arrived, right before
+        its first WGMMA (megamoe.w4a8_dequant), under the previous unit's WGMMA. Returns the pipeline state after
+        the G blocks and (instrument) when block 0 arrived."""
         per = cute.size(tCrA, mode=[2]) // split  # k32 steps per unit
         n_units = G * split
         states = [state]  # the G blocks' pipeline stages

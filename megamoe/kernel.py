@@ -156,9 +156,10 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         unit-major inside it (``megamoe.phases.scale_index``), as (slots / 256, 256); ``s_w1`` (E_l * I/128,
         H/128 * 4: per L1 N-block pair and K block the gate and up blocks' scales, two zeros) and ``s_w2``
         (E_l * H/128, I/128 * 4: the block's scale twice, two zeros) the weight scales as a stage takes them
-        (``megamoe.api.stage_weight_scales``); bf16 kernels take small unused tensors there. w4a8: ``mW1`` (E_l * 2I, H / 2) and ``mW2`` (E_l * H, I / 2) the
-        packed codes, ``mS1`` (E_l * 2I / 128, H / 128 * 256) and ``mS2`` (E_l * H / 128, I / 128 * 256) each
-        128 x 128 block's 512 shift bytes (``MegaMoE.load_weights``); other kernels take small unused ones."""
+        (``megamoe.api.stage_weight_scales``); bf16 kernels take small unused tensors there. w4a8: ``mW1``
+        (E_l * 2I, H / 2) and ``mW2`` (E_l * H, I / 2) the packed codes, ``mS1`` (E_l * 2I / 128, H / 128 * 256)
+        and ``mS2`` (E_l * H / 128, I / 128 * 256) each 128 x 128 block's 512 shift bytes (``MegaMoE.load_weights``);
+        other kernels take small unused ones."""
         atoms = (2, 1, 1)  # warpgroups per tile
         ab = self.ab_dtype
         mma = sm90_helpers.make_trivial_tiled_mma(
