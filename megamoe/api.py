@@ -31,7 +31,6 @@ from megamoe import tile_stream as ts
 from megamoe.auto import MEASURED_CALLS as TRIAL_CALLS  # launches of each order auto times before it settles
 from megamoe.auto import faster_measured
 
-SCALE_PAIR = 256  # megamoe.kernel.SCALE_PAIR: a stage's activation scales (fp32), the scale buffers' row width
 
 SCHEDULES = (*ts.ORDERS, "auto")
 TIMEOUT_NS = 2_000_000_000
@@ -93,16 +92,17 @@ class _RankState:
     def __init__(self, hidden, intermediate, top_k, num_local, world, max_tokens, grid, device, group=None,
                  fp8=False):
         self.rows = world * max_tokens * top_k + num_local * 128  # each expert's rows start on a 128 boundary
-        from megamoe.phases import scale_units
+        from megamoe.phases import SCALE_PAIR, scale_units
 
-        # the FP8 activation scales: per 128-row block, unit-major inside it (megamoe.phases.scale_index)
-        scale_slots = -(-self.rows // 128) * 128 * scale_units(hidden, intermediate)
+        # the FP8 activation scales: per 128-row block, unit-major inside it (megamoe.phases.scale_index), as
+        # rows of a stage's pair of units (the kernel's TMA view); bf16: one unused row
+        scale_rows = -(-self.rows // 128) * 128 * scale_units(hidden, intermediate) // SCALE_PAIR if fp8 else 1
         slots = max_tokens * top_k
         ab = torch.float8_e4m3fn if fp8 else torch.bfloat16  # the GEMM operands
         shapes = {"pool": ((self.rows, hidden), ab), "pool_src": ((self.rows,), torch.int32),
                   "pool_w": ((self.rows,), torch.float32), "combine": ((slots, hidden), torch.bfloat16),
                   "counts": ((2 * num_local,), torch.int32), "barrier": ((1,), torch.int64),
-                  "pool_scale": ((scale_slots if fp8 else SCALE_PAIR,), torch.float32)}
+                  "pool_scale": ((scale_rows, SCALE_PAIR), torch.float32)}
         offsets, total = {}, 0
         for name in self.SYMMETRIC:
             shape, dtype = shapes[name]
@@ -125,8 +125,7 @@ class _RankState:
             view = self.arena[offsets[name]:offsets[name] + n * dtype.itemsize].view(dtype).view(shape)
             setattr(self, name, view)
         self.inter = torch.empty(self.rows, intermediate, dtype=ab, device=device)
-        self.inter_scale = torch.zeros(scale_slots if fp8 else SCALE_PAIR, dtype=torch.float32,
-                                       device=device)
+        self.inter_scale = torch.zeros(scale_rows, SCALE_PAIR, dtype=torch.float32, device=device)
         self.tok_slot = torch.zeros(slots, dtype=torch.int32, device=device)
         self.l1_done = torch.zeros(self.rows // 128, dtype=torch.int32, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
@@ -186,9 +185,10 @@ class ScheduleTrial:
     """schedule="auto" for one decision key (token bucket, histogram classes): megamoe.auto's pick (``prior``)
     runs first, then the first ``TRIAL_CALLS`` launches of each order alternate, each between two CUDA events
     recorded on the launch's stream; once every one of them has passed (``Event.query``: no host sync), the
-    order with the lower median stays. Both orders give the same bits, so the trial changes no output. The
-    rule alone misses by up to ~3.8% on the matrices; this pick, made from 8 trials of each and judged on the
-    run's other trials, by at most 2.1% (``benchmarks.megamoe_auto``'s measured_pick_floor). No trial launch while
+    order with the lower median stays. Both orders give the same bits, so the trial changes no output. Offline,
+    a pick from 8 graph trials of each, judged on a matrix's other trials, missed by at most 2.1%
+    (``benchmarks.megamoe_auto``'s measured_pick_floor); timed in the run (``--matrix --auto``, 664e95b) the
+    trial missed by up to 7.2% where its launches met a cooler chip than the graphs did (docs/FINDINGS.md). No trial launch while
     a CUDA graph is captured (a replayed graph runs the order resolved at capture); ``events`` None (no CUDA):
     the prior stays."""
 
@@ -504,8 +504,7 @@ class MegaMoE:
         self.kernel(x, topk_idx, topk_weights, self.w1, self.w2, y, st.pool, st.inter, st.pool_src, st.pool_w,
                     st.combine, st.counts, st.tok_slot, st.l1_done, st.barrier,
                     self.peer_ptrs if peer_ptrs is None else peer_ptrs, st.epoch, st.done, st.errors, self.records,
-                    st.pool_scale.view(-1, SCALE_PAIR), st.inter_scale.view(-1, SCALE_PAIR), self.w1_scale,
-                    self.w2_scale, self.w1_shift, self.w2_shift,
+                    st.pool_scale, st.inter_scale, self.w1_scale, self.w2_scale, self.w1_shift, self.w2_shift,
                     self.rank, self.world, self.max_tokens, order, self.experts_per_wave(x.shape[0]),
                     self.lead_rows, self.m_group, self.grid, TIMEOUT_NS, self.rec_cap)
         if timing:

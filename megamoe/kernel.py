@@ -51,7 +51,8 @@ from cute_kernels import timers
 from megamoe import tile_stream as ts
 from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
 from megamoe.fp8_mainloop import Fp8MainloopMixin
-from megamoe.phases import NUM_THREADS, WG_THREADS, DispatchCombineMixin, NamedBarrierMoE, scale_units
+from megamoe.phases import (NUM_THREADS, SCALE_PAIR, WG_THREADS, DispatchCombineMixin, NamedBarrierMoE,
+                            scale_units)
 from megamoe.w4a8_dequant import SHIFT_STAGE_BYTES, SHIFT_TABLE, W4DequantMixin
 
 BLOCK_M = 128
@@ -59,7 +60,6 @@ BLOCK_N = 128
 # one pipeline stage's K extent: 64 bf16 or 128 FP8 elements (128 bytes, one swizzle row; for FP8 also the
 # 128-wide scale block, promoted to fp32 once per stage; W4A8 converts its packed stage into that form)
 STAGE_K = {"bf16": 64, "w8a8": 128, "w4a8": 128}
-SCALE_PAIR = 2 * 128  # FP8: the activation scales a stage brings, a pair of 128-row units (megamoe.phases)
 SB_STAGE = 32  # floats between two stages' 16 bytes of weight scales: a TMA destination is 128-byte aligned
 PRECISIONS = tuple(STAGE_K)
 ERR_L1_TIMEOUT = 6

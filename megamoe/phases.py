@@ -24,6 +24,9 @@ DISPATCH_BATCH = 8  # 16 B vectors per lane in flight in Dispatch's row copies (
 DISPATCH_FANOUT = 8  # a token's destinations per read of its row (top_k above it reads the row again)
 
 
+SCALE_PAIR = 2 * BLOCK_M  # fp32 scales a stage brings: units 2i, 2i + 1 of a 128-row block (the buffers' row)
+
+
 def scale_units(hidden: int, intermediate: int) -> int:
     """Scale slots per row of both activation scale buffers: the pool's H/128 runs and the intermediate's I/64
     share one layout (``scale_index``); even, so a stage's pair of units (units 2i, 2i + 1 of a 128-row block) is
@@ -157,7 +160,7 @@ class DispatchCombineMixin:
                         dst[j] = (peer_ptrs[PEER_KINDS.index("pool") * world + owner]
                                   + Int64(row) * (H * elem))
                         if const_expr(self.fp8):
-                            # run r's scale r * BLOCK_M floats on (megamoe.fp8_mainloop.scale_index)
+                            # run r's scale r * BLOCK_M floats on (scale_index)
                             dst_scale[j] = (peer_ptrs[PEER_KINDS.index("pool_scale") * world + owner]
                                             + Int64(scale_index(row, 0, scale_units(H, self.intermediate))) * 4)
                         if lane == 0:
@@ -198,7 +201,8 @@ class DispatchCombineMixin:
     def push_row_fp8(self, src, dst, dst_scale, lane):
         """One warp: the bf16 token row at ``src`` quantized in 1 x 128 runs (megamoe.reference's recipe:
         scale = max(amax, 1e-4) / 448, q = x * (1 / scale)) into each FP8 pool row address of ``dst`` (0: none)
-        and its scales at ``dst_scale`` (run r's at ``r * BLOCK_M`` floats on). Each half-warp takes one run per step (16 lanes x 8 elements), its amax
+        and its scales at ``dst_scale`` (run r's at ``r * BLOCK_M`` floats on). Each half-warp takes one run per
+        step (16 lanes x 8 elements), its amax
         by shuffles within the half."""
         H = self.hidden
         runs = H // 128

@@ -157,9 +157,14 @@ def test_peer_table_rows_agree():
     from megamoe.phases import PEER_KINDS
 
     assert _RankState.SYMMETRIC == PEER_KINDS
-    from megamoe import api, kernel
+    from megamoe import kernel
+    from megamoe.phases import scale_index, scale_units
 
-    assert api.SCALE_PAIR == kernel.SCALE_PAIR  # the scale buffers' row width is the stage's TMA box
+    # the scale buffers' rows are the stage's TMA box, and they hold every (row, unit) scale_index addresses
+    st = _RankState(4096, 1536, 6, 4, 1, 100, 132, torch.device("cpu"), fp8=True)
+    for buf in (st.pool_scale, st.inter_scale):
+        assert buf.shape[1] == kernel.SCALE_PAIR
+        assert buf.numel() > scale_index(st.rows - 1, scale_units(4096, 1536) - 1, scale_units(4096, 1536))
     assert precision_of(torch.bfloat16) == "bf16" and precision_of(torch.float8_e4m3fn) == "w8a8"
     assert precision_of("w4a8") == "w4a8"
     with pytest.raises(ValueError, match="not supported"):
