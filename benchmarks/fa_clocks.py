@@ -170,6 +170,14 @@ def summarize(samples) -> dict:
             "temp_c": statistics.median(s[3] for s in samples), "reasons": reasons}
 
 
+def parse_shape(spec: str) -> tuple[int, int, int, int]:
+    """"BxSxH" (d = 128) or "BxSxHxD" -> (b, S, H, d)."""
+    parts = [int(x) for x in spec.split("x")]
+    if len(parts) not in (3, 4):
+        raise ValueError(f"a shape is BxSxH or BxSxHxD, got {spec!r}")
+    return (*parts, 128)[:4]
+
+
 def _run(args) -> dict:
     import torch
 
@@ -185,9 +193,9 @@ def _run(args) -> dict:
     rows = []
     try:
         for spec in args.shapes:
-            b, s, h = (int(x) for x in spec.split("x"))
-            q, k, v = (torch.randn(b, s, h, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
-            kernels = {"fa_ours": lambda: flash_attention(q, k, v, tile_order_world=2),
+            b, s, h, d = parse_shape(spec)
+            q, k, v = (torch.randn(b, s, h, d, device="cuda").to(torch.bfloat16) for _ in range(3))
+            kernels = {"fa_ours": lambda: flash_attention(q, k, v, tile_order_world=args.tile_order_world),
                        "fa4": lambda: fa4_forward(q, k, v)}
             graphs = {name: one_launch_graph(fn) for name, fn in kernels.items()}
             for name in graphs:
@@ -226,7 +234,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--shapes", nargs="+", default=["1x49152x12", "1x32768x12", "1x32768x3", "1x16384x3"],
-                   help="b x S x heads (d = 128)")
+                   help="b x S x heads [x d] (d = 128 if left out)")
+    p.add_argument("--tile-order-world", type=int, default=2,
+                   help="our kernel walks the fused tile order of this many ranks (1: the local order)")
     p.add_argument("--phases", type=int, default=6)
     p.add_argument("--seconds", type=float, default=1.5)
     p.add_argument("--settle", type=float, default=0.3)

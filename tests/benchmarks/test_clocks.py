@@ -242,3 +242,10 @@ def test_link_power_awake_fraction_and_gaps():
     assert link_power.awake_fraction(400.0, 50.0) == pytest.approx(0.125)
     assert link_power.burst_gap_ms(link_power.LOADS["gap_100ms"]) == pytest.approx(100.0)
     assert link_power.burst_gap_ms(link_power.LOADS["fma_trickle"]) is None
+
+
+def test_fa_clocks_shape_takes_an_optional_head_dim():
+    assert fa_clocks.parse_shape("1x32760x12") == (1, 32760, 12, 128)
+    assert fa_clocks.parse_shape("1x32760x12x64") == (1, 32760, 12, 64)
+    with pytest.raises(ValueError, match="BxSxH"):
+        fa_clocks.parse_shape("1x32760")
