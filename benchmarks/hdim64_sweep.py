@@ -14,10 +14,11 @@ import sys
 
 # name -> (class attributes, constructor keywords) beside the API's default (flash_attention)
 _D64 = {"tile_m": 192, "q_stages": 2, "kv_stages": 3}  # the API's d = 64 kernel
-D64 = {"p0": ({"pinned_exponentials": 0}, _D64), "p8": ({"pinned_exponentials": 8}, _D64),
-       "p16": ({"pinned_exponentials": 16}, _D64), "p24": ({"pinned_exponentials": 24}, _D64)}
+D64 = {"p8": ({"pinned_exponentials": 8}, _D64), "p12": ({"pinned_exponentials": 12}, _D64),
+       "p16": ({"pinned_exponentials": 16}, _D64)}
 D128 = {"q1": ({}, {"q_stages": 1}), "q2": ({}, {"q_stages": 2})}  # a third K/V stage: over the shared memory
-SHAPES = ((1, 32760, 12, 64, 32760), (1, 65536, 12, 64, 65536), (1, 8192, 12, 64, 8192), (1, 4096, 16, 64, 4096))
+# the masked partial KV block (S_kv = 32760) at three head counts, and the whole-block control beside it
+SHAPES = ((1, 32760, 12, 64, 32760), (1, 32760, 16, 64, 32760), (1, 32760, 24, 64, 32760), (1, 32768, 12, 64, 32768))
 
 
 def run(args) -> dict:

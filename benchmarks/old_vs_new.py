@@ -8,7 +8,7 @@ refactor owes where an instruction of a kernel legitimately moved (benchmarks.sa
 (their imports renamed), so both versions import in one process (``benchmarks.megamoe_old_vs_new`` times the
 MegaMoE layers the same way). The run times FA-only
 (``flash_attention`` at its defaults, in the fused kernel's tile order for 2 ranks, as the benchmark's FA-only
-column does) of both by CUDA-Graph replay: interleaved rounds in a fresh order each round, and adjacent-launch
+column does; ``--tile-order-world 1``: the local kernel) of both by CUDA-Graph replay: interleaved rounds in a fresh order each round, and adjacent-launch
 pairs in alternating order (old, new; new, old) whose median difference is the verdict; an old-against-old pair
 set gives the run's noise. Both outputs are compared bit for bit (the refactor must not change them).
 """
@@ -117,8 +117,8 @@ def run(args) -> dict:
         for b, s, h, d in args.shapes:
             q, k, v = (torch.randn(b, s, h, d, device="cuda").to(torch.bfloat16) for _ in range(3))
             outs = {"old": torch.empty_like(q), "new": torch.empty_like(q)}
-            calls = {"old": lambda: old_fa(q, k, v, out=outs["old"], tile_order_world=2),
-                     "new": lambda: new_fa(q, k, v, out=outs["new"], tile_order_world=2)}
+            calls = {"old": lambda: old_fa(q, k, v, out=outs["old"], tile_order_world=args.tile_order_world),
+                     "new": lambda: new_fa(q, k, v, out=outs["new"], tile_order_world=args.tile_order_world)}
             medians, pairs, noise = time_old_new(calls, args, group)
             torch.cuda.synchronize()
             rows.append({"shape": [b, s, h, d], "old_us": medians["old"], "new_us": medians["new"],
@@ -140,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="result JSON (the GPU run)")
     p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(x) for x in DEFAULT_SHAPES],
                    help="BxSxH[xD] shapes (default: split and unsplit FA-only shapes)")
+    p.add_argument("--tile-order-world", type=int, default=2,
+                   help="FA-only walks the fused tile order of this many ranks (1: the local one-launch kernel)")
     add_timing_arguments(p, calls_per_graph=8, pairs=48)
     args = p.parse_args(argv)
     if args.prepare:

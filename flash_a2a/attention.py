@@ -66,10 +66,11 @@ KV_STAGES = 2
 PINNED_EXPONENTIALS = 40
 # The 192-row d = 64 kernel (three MMA warpgroups, whose GEMMs fill the Tensor Cores under one warpgroup's softmax)
 # wants few: 8 measured fastest where the last KV block is whole (1x65536x12 24248 us against 40's 24744, 8192x12
-# 363.0 against 379.2, 4096x16 134.4 against 139.2), 16 with the masked partial block (32760x12 6088.7 against
-# 6141.1; 8 there 6161.1): benchmarks/results/h200/d64_pins_d50ac05.json, medians of 8 rounds.
+# 363.0 against 379.2, 4096x16 134.4 against 139.2): benchmarks/results/h200/d64_pins_d50ac05.json, medians of 8
+# rounds. With the masked partial KV block (the producer's peeled first load) 12 gives the unmasked kernel's KV loop
+# schedule in the SASS (19 of 66 exponentials ahead of the PV wait; 8 gives 15, 16 gives 23).
 PINNED_EXPONENTIALS_D64 = 8
-PINNED_EXPONENTIALS_D64_MASKED_KV = 16
+PINNED_EXPONENTIALS_D64_MASKED_KV = 12
 # A row keeps its running max unless a block raises it by more than 2^8 (FA4's SM100 trick), so most blocks
 # rescale nothing: 2.5-3.2% faster than following every block on H200 (docs/FINDINGS.md, rescale_threshold).
 RESCALE_THRESHOLD = 8.0
@@ -428,14 +429,23 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                     load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
             else:
-                for n in cutlass.range(shape.n_kv, unroll=1):
-                    src = n
-                    if const_expr(self.masked_kv):  # the partial last block first, where the Q-loop masks it
-                        src = n - 1 + shape.n_kv * Int32(n == 0)
+                n_loop = shape.n_kv
+                if const_expr(self.masked_kv):
+                    # The partial last block first, where the Q-loop masks it, then blocks 0.. in order. Peeled:
+                    # with the block index computed in the loop (n - 1 + n_kv·[n == 0]) ptxas scheduled the MMA
+                    # warpgroups' KV loop worse (12 of 66 exponentials ahead of the PV wait at d = 64, 47 at
+                    # d = 128, against the unmasked kernel's 19 and 52), and S_kv = 32760 ran 2.4% slower than 32768.
+                    n_loop = shape.n_kv - 1
                     pipe_k.producer_acquire(kv_state)
-                    load_k(src_idx=src, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    load_k(src_idx=n_loop, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
                     pipe_v.producer_acquire(kv_state)
-                    load_v(src_idx=src, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                    load_v(src_idx=n_loop, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                    kv_state.advance()
+                for n in cutlass.range(n_loop, unroll=1):
+                    pipe_k.producer_acquire(kv_state)
+                    load_k(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    pipe_v.producer_acquire(kv_state)
+                    load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
         pipe_v.producer_tail(kv_state)
 
