@@ -67,10 +67,10 @@ PINNED_EXPONENTIALS = 40
 # The 192-row d = 64 kernel (three MMA warpgroups, whose GEMMs fill the Tensor Cores under one warpgroup's softmax)
 # wants few: 8 measured fastest where the last KV block is whole (1x65536x12 24248 us against 40's 24744, 8192x12
 # 363.0 against 379.2, 4096x16 134.4 against 139.2): benchmarks/results/h200/d64_pins_d50ac05.json, medians of 8
-# rounds. With the masked partial KV block (the producer's peeled first load) 12 gives the unmasked kernel's KV loop
-# schedule in the SASS (19 of 66 exponentials ahead of the PV wait; 8 gives 15, 16 gives 23).
+# rounds. The same 8 with the masked partial KV block since its producer peels that block's load: at S_kv = 32760
+# 8 against 12 and 16 (12 heads 5968.9 / 5965.5 / 6030.2 us, 16 heads 7923.5 / 7953.1 / 7973.2, 24 heads
+# 12069.6 / 12142.0 / 12213.5): benchmarks/results/h200/hdim64_sweep_2540665.json.
 PINNED_EXPONENTIALS_D64 = 8
-PINNED_EXPONENTIALS_D64_MASKED_KV = 12
 # A row keeps its running max unless a block raises it by more than 2^8 (FA4's SM100 trick), so most blocks
 # rescale nothing: 2.5-3.2% faster than following every block on H200 (docs/FINDINGS.md, rescale_threshold).
 RESCALE_THRESHOLD = 8.0
@@ -180,7 +180,7 @@ class FlashAttentionA2AForward(TailLaunchMixin):
         # the producer warpgroup gives its registers to the MMA warpgroups
         self.num_producer_regs, self.num_mma_regs = REGISTER_SPLIT[self.num_mma_wg]
         if tile_m == TILE_M_D64:
-            self.pinned_exponentials = PINNED_EXPONENTIALS_D64_MASKED_KV if masked_kv else PINNED_EXPONENTIALS_D64
+            self.pinned_exponentials = PINNED_EXPONENTIALS_D64
         self.done_threads = self.num_mma_wg * WG_THREADS + 32  # NamedBarrierFwd.Done: MMA warpgroups, flag warp
         self.num_threads = WG_THREADS * (self.num_mma_wg + 1)
         self.vec = 128 // dtype.width  # elements per 128-bit store
@@ -429,12 +429,16 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                     load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
             else:
+                # masked_kv: the partial last block first, where the Q-loop masks it (softmax is order-free), then
+                # blocks 0.. in order. How the producer says so changes how ptxas schedules the MMA warpgroups' KV
+                # loop (one function). On the 192-row d = 64 tiles a peeled first load: with the block index
+                # n - 1 + n_kv·[n == 0] in the loop 12 of 66 exponentials sat ahead of the PV wait (19 unmasked) and
+                # S_kv = 32760 ran 2.4% slower than 32768; peeled, 1x32760x12x64 -1.0% and 1x4095x16x64 -1.1% by
+                # pairs. On the 128-row tiles the in-loop index: peeled was +1.2% at 1x32760x12x128 (though the
+                # window then matched the unmasked 52 against 47). benchmarks/results/h200/masked_kv_old_vs_new_2540665.json
+                peel = self.masked_kv and self.tile_m == TILE_M_D64
                 n_loop = shape.n_kv
-                if const_expr(self.masked_kv):
-                    # The partial last block first, where the Q-loop masks it, then blocks 0.. in order. Peeled:
-                    # with the block index computed in the loop (n - 1 + n_kv·[n == 0]) ptxas scheduled the MMA
-                    # warpgroups' KV loop worse (12 of 66 exponentials ahead of the PV wait at d = 64, 47 at
-                    # d = 128, against the unmasked kernel's 19 and 52), and S_kv = 32760 ran 2.4% slower than 32768.
+                if const_expr(peel):
                     n_loop = shape.n_kv - 1
                     pipe_k.producer_acquire(kv_state)
                     load_k(src_idx=n_loop, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
@@ -442,10 +446,13 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                     load_v(src_idx=n_loop, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
                 for n in cutlass.range(n_loop, unroll=1):
+                    src = n
+                    if const_expr(self.masked_kv and not peel):
+                        src = n - 1 + shape.n_kv * Int32(n == 0)
                     pipe_k.producer_acquire(kv_state)
-                    load_k(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    load_k(src_idx=src, dst_idx=kv_state.index, tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
                     pipe_v.producer_acquire(kv_state)
-                    load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                    load_v(src_idx=src, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
         pipe_v.producer_tail(kv_state)
 

@@ -282,6 +282,23 @@ def test_d64_three_warpgroup_tiles_compile(tmp_path, knobs):
     _no_spills(c)
 
 
+def test_d64_masked_kv_peels_the_partial_block_load(tmp_path):
+    """On the 192-row d = 64 tiles the producer loads the masked partial KV block in a peeled first load, not with
+    an index computed in its loop: with the in-loop index ptxas kept 12 of 66 exponentials of the MMA warpgroups'
+    KV loop ahead of the PV wait (the unmasked loop: 19) and S_kv = 32760 ran 2.4% slower than 32768. The
+    producer's TMA loop then holds no block-index select, and the Q-loop keeps at least 15 ahead."""
+    from cute_kernels.compile import sass_loop
+
+    d64 = {"head_dim": 64, "mode": "local", "tile_m": 192, "q_stages": 2, "kv_stages": 3, "masked_q": True}
+    text = _sass(_compile(tmp_path / "masked", **d64, masked_kv=True))
+    (ahead, total), = _window(text)
+    assert total == 66 and ahead >= 15, (ahead, total)
+    loads = sass_loop(text, lambda body: sum("UTMALDG" in x for x in body) == 2)
+    assert loads is not None, "no producer loop of one K and one V load"
+    plain = sass_loop(_sass(_compile(tmp_path / "whole", **d64)), lambda body: sum("UTMALDG" in x for x in body) == 2)
+    assert len(loads) == len(plain), "the masked producer's loop is the whole-block one"
+
+
 def test_q_double_buffer_keeps_the_kv_loop(tmp_path):
     """q_stages=2 (the next tile's Q under this tile's loop): two Q stages, so the Q TMA load takes a stage index,
     and the KV loop's schedule stays the default's (52 of 66 exponentials ahead of the PV wait); no spills."""
