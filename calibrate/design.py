@@ -53,7 +53,8 @@ MEGAMOE_MAINLOOPS_US = {
 MEGAMOE_TILE_BYTES = 128 * 128 * BF16_BYTES
 # Our MegaMoE kernel as built (megamoe.kernel, bf16, 147e2d5): full-tile mainloop medians (T_mma_L2, T_mma_L1)
 # in us on one H200, the wave order at 8192 tokens per rank, balanced, P = 2 emulated
-# (benchmarks/results/h200/megamoe_dump_P2_147e2d5_stall.json), and L1 tiles per L2 tile, n1 / n2 = 2I / H.
+# (benchmarks/results/h200/megamoe_dump_P2_147e2d5_stall.json, in git at ba88fd4), and L1 tiles per L2 tile,
+# n1 / n2 = 2I / H.
 OURS_MEGAMOE = {
     "dsv4-flash": {"mainloops_us": (13.22, 27.04), "n1_per_n2": 2 * 2048 / 4096},
     "qwen3-moe": {"mainloops_us": (8.90, 24.70), "n1_per_n2": 2 * 1536 / 4096},
