@@ -429,13 +429,10 @@ class FlashAttentionA2AForward(TailLaunchMixin):
                     load_v(src_idx=n, dst_idx=kv_state.index, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
             else:
-                # masked_kv: the partial last block first, where the Q-loop masks it (softmax is order-free), then
-                # blocks 0.. in order. How the producer says so changes how ptxas schedules the MMA warpgroups' KV
-                # loop (one function). On the 192-row d = 64 tiles a peeled first load: with the block index
-                # n - 1 + n_kv·[n == 0] in the loop 12 of 66 exponentials sat ahead of the PV wait (19 unmasked) and
-                # S_kv = 32760 ran 2.4% slower than 32768; peeled, 1x32760x12x64 -1.0% and 1x4095x16x64 -1.1% by
-                # pairs. On the 128-row tiles the in-loop index: peeled was +1.2% at 1x32760x12x128 (though the
-                # window then matched the unmasked 52 against 47). benchmarks/results/h200/masked_kv_old_vs_new_2540665.json
+                # masked_kv: the partial last block first (the Q-loop masks it), then 0.. in order. This loop's form
+                # moves ptxas's schedule of the MMA warpgroups' KV loop: at d = 64 (192-row tiles) the in-loop index
+                # n - 1 + n_kv·[n == 0] left 12 of 66 exponentials ahead of the PV wait (19 unmasked), peeled is 1.0%
+                # faster; at d = 128 peeled was 1.2% slower (masked_kv_old_vs_new_2540665.json, docs/FINDINGS.md).
                 peel = self.masked_kv and self.tile_m == TILE_M_D64
                 n_loop = shape.n_kv
                 if const_expr(peel):
