@@ -8,9 +8,9 @@ refactor owes where an instruction of a kernel legitimately moved (benchmarks.sa
 (their imports renamed), so both versions import in one process (``benchmarks.megamoe_old_vs_new`` times the
 MegaMoE layers the same way). The run times FA-only
 (``flash_attention`` at its defaults, in the fused kernel's tile order for 2 ranks, as the benchmark's FA-only
-column does; ``--tile-order-world 1``: the local kernel) of both by CUDA-Graph replay: interleaved rounds in a fresh order each round, and adjacent-launch
-pairs in alternating order (old, new; new, old) whose median difference is the verdict; an old-against-old pair
-set gives the run's noise. Both outputs are compared bit for bit (the refactor must not change them).
+column does; ``--tile-order-world 1``: the local kernel) of both by CUDA-Graph replay: interleaved rounds in a
+fresh order each round, and adjacent-launch pairs in alternating order (old, new; new, old) whose median
+difference is the verdict; an old-against-old pair set gives the run's noise. Both outputs are compared bit for bit (the refactor must not change them).
 """
 from __future__ import annotations
 
