@@ -293,9 +293,12 @@ def test_d64_masked_kv_peels_the_partial_block_load(tmp_path):
     text = _sass(_compile(tmp_path / "masked", **d64, masked_kv=True))
     (ahead, total), = _window(text)
     assert total == 66 and ahead >= 15, (ahead, total)
-    loads = sass_loop(text, lambda body: sum("UTMALDG" in x for x in body) == 2)
+    def one_k_one_v(body):
+        return sum("UTMALDG" in x for x in body) == 2
+
+    loads = sass_loop(text, one_k_one_v)
     assert loads is not None, "no producer loop of one K and one V load"
-    plain = sass_loop(_sass(_compile(tmp_path / "whole", **d64)), lambda body: sum("UTMALDG" in x for x in body) == 2)
+    plain = sass_loop(_sass(_compile(tmp_path / "whole", **d64)), one_k_one_v)
     assert len(loads) == len(plain), "the masked producer's loop is the whole-block one"
 
 
