@@ -94,7 +94,7 @@ def regrets(bench: dict, dtype: str | None = "bf16", sms: int = 132) -> list[dic
 def measured_pick_floor(bench: dict, dtype: str | None = None, first: int | None = None) -> dict | None:
     """The regret a pick from measurements would have in the same run: per matrix configuration with per-trial
     times, auto's measured pick (``megamoe.auto.faster_measured``) from the first ``first`` trials of each order
-    (default ``MEASURED_CALLS``, as ``megamoe.api.ScheduleTrial`` takes them), judged on the median of the rest.
+    (default ``MEASURED_CALLS``, as the kernel's trial takes them: megamoe.trial), judged on the median of the rest.
     Its max is what the run can resolve: a schedule rule whose regret is below it cannot be told from a perfect
     one by this run (None: no per-trial times)."""
     from megamoe.auto import MEASURED_CALLS, faster_measured
@@ -118,45 +118,44 @@ def measured_pick_floor(bench: dict, dtype: str | None = None, first: int | None
 
 # --- the matrix's auto column (benchmarks/megamoe_matrix.py --auto; needs a GPU) -------------------------------
 
-def _settle_calls() -> int:
-    from megamoe.auto import MEASURED_CALLS
+def settle_replays(calls_per_graph: int) -> int:
+    """Replays of the auto column's graph (``calls_per_graph`` launches each) that take a fresh decision key's
+    trial slot through its warm-up and both orders' samples (megamoe.auto.TRIAL_SETTLE launches)."""
+    from megamoe.auto import TRIAL_SETTLE
 
-    # the first call's trial is keyed on the layer's previous histogram, the rest on these inputs': each order
-    # is timed MEASURED_CALLS times
-    return 1 + 2 * MEASURED_CALLS
-
-
-SETTLE_CALLS = _settle_calls()
+    return -(-TRIAL_SETTLE // max(1, calls_per_graph))
 
 
-def auto_trial(layer):
-    """The ScheduleTrial (megamoe.api) of a bench layer's last schedule="auto" launch: a MegaMoE's own, or for
-    ranks emulated behind benchmarks.megamoe.RankLists their lead rank's (they decide together)."""
+def lead_layer(layer):
+    """The MegaMoE whose trial slots decide a bench layer's schedule="auto": its own, or for ranks emulated behind
+    benchmarks.megamoe.RankLists their lead rank's (they decide together)."""
     emulated = getattr(layer, "emulated", None)
-    return (emulated.ranks[0] if emulated is not None else layer).trial
+    return emulated.ranks[0] if emulated is not None else layer
 
 
-def settle_auto(call, layer, sync=None) -> dict:
-    """``call`` (one eager schedule="auto" forward of the configuration's inputs) SETTLE_CALLS times, so the
-    trial for these inputs has timed both orders and decided before a graph captures the order: the first call,
-    then ``sync`` (default torch.cuda.synchronize; its routing histogram lands, so the next calls are keyed on
-    these inputs), the trial's calls back to back, as a serving loop runs them (synchronized one by one, the
-    calls met a cool, faster-clocked chip, where the orders rank differently than in the graphs' hot trials:
-    the 664e95b matrix), then ``sync`` and the trial's poll. A fixed count: the ranks of a real group launch
-    alike. Returns the settled order (None: not decided), the rule's prior, and the trial's times."""
+def settle_auto(graph, call, layer, calls_per_graph: int, sync=None) -> dict:
+    """The auto column's trial, settled where a serving loop runs it: its captured ``graph`` (None: ``call``
+    eagerly, ``calls_per_graph`` per replay) replayed ``settle_replays`` times back to back, so the slot's
+    warm-up and samples run under sustained load (the host trial this replaced ranked the orders on a cool chip:
+    docs/FINDINGS.md), then ``sync`` and the slot read back. A fixed count: the ranks of a real group replay
+    alike. Returns the settled order (None: not decided), the rule's prior, the launches the slot counted and
+    its samples."""
     if sync is None:
         import torch
 
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    call()
+    replays = settle_replays(calls_per_graph)
+    for _ in range(replays):
+        if graph is not None:
+            graph.replay()
+        else:
+            for _ in range(calls_per_graph):
+                call()
     sync()
-    for _ in range(SETTLE_CALLS - 1):
-        call()
-    sync()
-    trial = auto_trial(layer)
-    trial.poll()
-    return {"order": trial.decided, "prior": trial.prior, "settle_calls": SETTLE_CALLS,
-            "trial_us": {n: [round(t, 3) for t in ts] for n, ts in trial.times_us.items()}}
+    trial = lead_layer(layer).auto_trial() or {}
+    return {"order": trial.get("decided"), "prior": trial.get("prior"), "settle_replays": replays,
+            "launches": trial.get("launches"),
+            "trial_us": {n: [round(t, 3) for t in ts] for n, ts in (trial.get("times_us") or {}).items()}}
 
 
 def summary(rows: list[dict]) -> dict:

@@ -105,8 +105,8 @@ def add_arguments(p) -> None:
     p.add_argument("--memory-gb", type=float, default=None,
                    help=f"the GPU memory a configuration must fit (default: the GPU's; {H200_GB:g} with no GPU)")
     p.add_argument("--auto", action="store_true",
-                   help="a third timed column, schedule='auto', settled by its trial (megamoe.api.ScheduleTrial) "
-                        "before capture; per configuration its in-run regret against the better of the two "
+                   help="a third timed column, schedule='auto', its graph replayed until the kernel's trial "
+                        "settled (megamoe.trial); per configuration its in-run regret against the better of the two "
                         "schedules (trials then in shuffled order)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, inputs and routing (as bench megamoe)")
     p.add_argument("--tmp", default="/tmp", help="where the one-rank process group's rendezvous file goes")
@@ -212,14 +212,14 @@ def config_seconds(cfg: Config, trials: int, calls: int, dump: bool = False) -> 
     """One configuration: inputs, the fp32 reference, both schedules' eager call, capture warm-up and trials;
     ``dump``: its inputs again, an instrumented launch per schedule and its records to the host; ``cfg.auto``:
     the auto column's settling calls, eager call and trials too."""
-    from benchmarks.megamoe_auto import SETTLE_CALLS
     from benchmarks.moe_baselines import moe_flops
+    from megamoe.auto import TRIAL_SETTLE
 
     mine = cfg.tokens if cfg.real else cfg.world * cfg.tokens  # the reference's tokens on one GPU
     ref = moe_flops(cfg.preset, mine * cfg.preset.top_k) / (EST["reference_tflops"] * 1e12)
     launches = len(SCHEDULES) * (2 + trials * calls + (1 if dump else 0))
     if cfg.auto:
-        launches += SETTLE_CALLS + 2 + trials * calls
+        launches += TRIAL_SETTLE + calls + 2 + trials * calls
     return (EST["config_s"] + ref + (EST["dump_s"] if dump else 0.0)
             + launches * kernel_seconds(cfg.preset, cfg.world, cfg.tokens, cfg.real))
 
@@ -311,22 +311,25 @@ def measure_config(ctx, cfg: Config, layer, w1, w2, index: int) -> dict:
         return refs["r"]
 
     calls = {s: (lambda s=s: layer.forward(x, idx, wts, schedule=s)) for s in SCHEDULES}
-    settled = None
-    if cfg.auto:  # settled by its trial before run_columns checks and captures it (a graph keeps its order)
+    settled = {}
+    capture = ctx.capture
+    if cfg.auto:  # its captured graph replayed until the kernel's trial settled, before the timed trials
         from benchmarks.megamoe_auto import settle_auto
 
         calls["auto"] = lambda: layer.forward(x, idx, wts, schedule="auto")
-        try:
-            settled = settle_auto(calls["auto"], layer)
-        except Exception as e:  # noqa: BLE001 - the two schedules are still measured
-            calls["auto"] = {"failed": mb._reason(e)}
-    cols, times = mb.run_columns(calls, reference, ctx.capture, lambda live: ctx.timer(live, index),
+
+        def capture(fn):
+            graph, how = ctx.capture(fn)
+            if fn is calls["auto"]:
+                settled.update(settle_auto(graph, fn, layer, ctx.calls_per_graph))
+            return graph, how
+    cols, times = mb.run_columns(calls, reference, capture, lambda live: ctx.timer(live, index),
                                  agree=ranks.agree if ranks is not None else None)
     if ranks is not None:
         from benchmarks.megamoe_ep import merge_columns
 
         cols = merge_columns(ranks.gather(cols))
-    if settled is not None and "auto" in cols:
+    if settled and "auto" in cols:
         cols["auto"].update(settled)
     entry = {"seed": seed, **stats, **cols,
              "trial_times_us": {n: [round(t, 3) for t in ts] for n, ts in times.items()},
@@ -392,6 +395,7 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
     ctx = SimpleNamespace(args=args, device=device, ranks=ranks)
     ctx.capture = capture or (lambda fn: capture_graph(fn, args.calls_per_graph, group))
+    ctx.calls_per_graph = args.calls_per_graph
     ctx.timer = timer or (lambda cols, i: measure_rounds(cols, args.calls_per_graph, args.trials, group,
                                                          order=trial_order(args), start=i))
     api = api or mb.load_api()
@@ -546,8 +550,9 @@ METHOD = ("one layer per (model, world, tokens, precision); per configuration th
           "the trials (benchmarks.timing.measure_rounds, order='rotate'); world P > 1: P ranks emulated on one GPU "
           "with local stores, or real ranks (world_mode says which; benchmarks/megamoe_ep.py: each rank its slice of "
           "the P*T tokens, checks the max over ranks); speedup = T_wave / T_interleaved")
-AUTO_METHOD = ("; --auto: a third column, schedule='auto', after benchmarks.megamoe_auto.SETTLE_CALLS eager calls "
-               "(each synchronized) have settled its trial for the configuration's inputs, the three columns' "
+AUTO_METHOD = ("; --auto: a third column, schedule='auto', its captured graph replayed back to back "
+               "(benchmarks.megamoe_auto.settle_replays) until the kernel's trial slot for the configuration's "
+               "inputs settled (megamoe.trial: warm-up, then both orders timed), the three columns' "
                "trials in a fresh shuffled order each; auto_regret = T_auto / min(T_wave, T_interleaved) - 1, "
                "auto_pick_regret the same with the column of the order auto settled on")
 PRECISION_NOTES = {"bf16": "bf16 weights and activations; MegaMoE(dtype=torch.bfloat16)",

@@ -28,11 +28,11 @@ import torch
 
 from megamoe import schedule as sched
 from megamoe import tile_stream as ts
-from megamoe.auto import MEASURED_CALLS as TRIAL_CALLS  # launches of each order auto times before it settles
-from megamoe.auto import faster_measured
+from megamoe.trial import TRIAL_OFF, TRIAL_OWN, TRIAL_READ
 
 
 SCHEDULES = (*ts.ORDERS, "auto")
+AUTO_KEYS = 64  # schedule="auto"'s trial slots per layer (decision keys); later keys run the rule's pick untried
 TIMEOUT_NS = 2_000_000_000
 _KERNELS: dict = {}
 
@@ -181,59 +181,6 @@ class RoutingHistory:
         return self.rows, self.tokens
 
 
-class ScheduleTrial:
-    """schedule="auto" for one decision key (token bucket, histogram classes): megamoe.auto's pick (``prior``)
-    runs first, then the first ``TRIAL_CALLS`` launches of each order alternate, each between two CUDA events
-    recorded on the launch's stream; once every one of them has passed (``Event.query``: no host sync), the
-    order with the lower median stays. Both orders give the same bits, so the trial changes no output. Offline,
-    a pick from 8 graph trials of each, judged on a matrix's other trials, missed by at most 2.1%
-    (``benchmarks.megamoe_auto``'s measured_pick_floor); timed in the run (``--matrix --auto``, 664e95b) the
-    trial missed by up to 7.2% where its launches met a cooler chip than the graphs did (docs/FINDINGS.md). No trial launch while
-    a CUDA graph is captured (a replayed graph runs the order resolved at capture); ``events`` None (no CUDA):
-    the prior stays."""
-
-    def __init__(self, prior: str, events=None):
-        self.prior, self.events = prior, events
-        self.decided = None if events is not None else prior
-        self.launched = {name: 0 for name in ts.ORDERS}
-        self.times_us = {name: [] for name in ts.ORDERS}
-        self.pending: list = []  # (order, start, end) not yet passed
-
-    def order(self, capturing: bool = False) -> str:
-        """The order the next launch of this key runs."""
-        if not capturing:
-            self.poll()
-        if self.decided is not None or capturing:
-            return self.decided or self.prior
-        other = next(n for n in ts.ORDERS if n != self.prior)
-        if self.launched[self.prior] <= self.launched[other] and self.launched[self.prior] < TRIAL_CALLS:
-            return self.prior
-        return other if self.launched[other] < TRIAL_CALLS else self.prior
-
-    def timed(self, order: str, capturing: bool = False):
-        """(start, end) events for a launch of ``order`` that the trial still needs, else None."""
-        if self.decided is not None or capturing or self.launched[order] >= TRIAL_CALLS:
-            return None
-        self.launched[order] += 1
-        pair = (self.events(), self.events())
-        self.pending.append((order, *pair))
-        return pair
-
-    def poll(self) -> None:
-        """Read the passed events; decide once every order has TRIAL_CALLS times."""
-        while self.pending and self.pending[0][2].query():
-            order, start, end = self.pending.pop(0)
-            self.times_us[order].append(1e3 * start.elapsed_time(end))
-        if self.decided is None and all(len(t) >= TRIAL_CALLS for t in self.times_us.values()):
-            self.decided = faster_measured(self.times_us, self.prior)
-
-
-def _cuda_events(device):
-    if device.type != "cuda":
-        return None
-    return lambda: torch.cuda.Event(enable_timing=True)
-
-
 def peer_table(states: list[_RankState], device) -> torch.Tensor:
     """The (SYMMETRIC x world) Int64 address table of ranks whose buffers are in one process (emulation)."""
     cols = [s.addresses() for s in states]
@@ -351,8 +298,13 @@ class MegaMoE:
 
         self.l2_bytes = float(getattr(props, "L2_cache_size", 0) or L2_BYTES)
         self.history = RoutingHistory(self.state.counts)
-        self.auto_picks: dict = {}  # decision key -> ScheduleTrial
-        self.trial = None  # the trial of the last order resolved for "auto"
+        # schedule="auto": per decision key a trial slot (megamoe.trial), zeroed once here, so a key first seen
+        # while a graph is captured needs no initialising copy in it
+        from megamoe.auto import TRIAL_WORDS
+
+        self.trial_slots = torch.zeros(AUTO_KEYS, TRIAL_WORDS, dtype=torch.int64, device=self.device)
+        self.auto_keys: dict = {}  # decision key -> (slot row or None, the rule's pick)
+        self.auto_key = None  # the key of the last order resolved for "auto"
         self.peer_ptrs = None
         if self.state.bases is not None:
             self.peer_ptrs = torch.tensor(self.state.peer_addresses(self.world), dtype=torch.int64,
@@ -464,11 +416,14 @@ class MegaMoE:
                                        device=self.device)
 
     def resolve_schedule(self, tokens: int, schedule: str | None = None, peers=None) -> str:
-        """The order a launch of ``tokens`` runs: ``schedule`` or the layer's; "auto" asks megamoe.auto with the
-        previous launch's routing histogram of this rank (or of every layer in ``peers``: ranks emulated
-        together decide together) from ``RoutingHistory`` (no host sync; before the first, the expected one),
-        once per token bucket and histogram class (``auto.skew_class``)."""
+        """The order a launch of ``tokens`` is given: ``schedule`` or the layer's; for "auto" the rule's pick
+        (megamoe.auto.choose_schedule) from the previous launch's routing histogram of this rank (or of every
+        layer in ``peers``: ranks emulated together decide together) from ``RoutingHistory`` (no host sync;
+        before the first, the expected one), once per token bucket and histogram class (``auto.skew_class``),
+        and ``auto_key`` names the key whose trial slot the launch hands the kernel (megamoe.trial: the kernel
+        runs the rule's pick through the warm-up, then times both orders and keeps the faster)."""
         name = schedule or self.schedule
+        self.auto_key = None
         if name != "auto":
             return name
         from megamoe import auto
@@ -480,22 +435,37 @@ class MegaMoE:
         else:
             key = (bucket, tuple(auto.skew_class(rows) for rows, _ in seen))
             rank_rows = tuple(auto.scaled_rows(rows, t, bucket) for rows, t in seen)
-        if key not in self.auto_picks:
-            self.auto_picks[key] = ScheduleTrial(auto.choose_schedule(
+        if key not in self.auto_keys:
+            slot = len(self.auto_keys) if len(self.auto_keys) < AUTO_KEYS else None
+            self.auto_keys[key] = (slot, auto.choose_schedule(
                 self.hidden, self.intermediate, self.num_experts, self.top_k, self.world, bucket, self.grid,
-                self.precision, rank_rows, self.ranks_per_gpu, self.l2_bytes), _cuda_events(self.device))
-        self.trial = self.auto_picks[key]
-        return self.trial.order(self.history.capturing())
+                self.precision, rank_rows, self.ranks_per_gpu, self.l2_bytes))
+        self.auto_key = key
+        return self.auto_keys[key][1]
 
-    def launch(self, x, topk_idx, topk_weights, y, schedule=None, peer_ptrs=None):
-        """One launch on the current stream (no checks, no allocation: ``forward`` checks)."""
+    def auto_trial(self, key=None) -> dict | None:
+        """The trial of decision ``key`` (default: the last launch's; None if it had none), read from the device
+        (synchronizes): megamoe.auto.read_trial's launches, prior, decided, times_us."""
+        from megamoe import auto
+
+        key = self.auto_key if key is None else key
+        if key not in self.auto_keys:
+            return None
+        slot, prior = self.auto_keys[key]
+        if slot is None:
+            return {"launches": None, "prior": prior, "decided": None, "times_us": {}}
+        return auto.read_trial(self.trial_slots[slot].tolist(), ts.ORDERS[prior])
+
+    def launch(self, x, topk_idx, topk_weights, y, schedule=None, peer_ptrs=None, trial=None):
+        """One launch on the current stream (no checks, no allocation: ``forward`` checks). ``trial``: (slot,
+        megamoe.trial mode) for a launch another layer resolved (EmulatedMoE), ``schedule`` then its prior."""
         st = self.state
-        name = self.resolve_schedule(x.shape[0], schedule)
-        order = ts.ORDERS[name]
-        auto_launch = (schedule or self.schedule) == "auto"
-        timing = self.trial.timed(name, self.history.capturing()) if auto_launch and peer_ptrs is None else None
-        if timing:
-            timing[0].record()
+        if trial is None:
+            name = self.resolve_schedule(x.shape[0], schedule)
+            slot = self.auto_keys[self.auto_key][0] if self.auto_key is not None else None
+            trial = (self.trial_slots[0], TRIAL_OFF) if slot is None else (self.trial_slots[slot], TRIAL_OWN)
+        else:
+            name = schedule
         if self.instrument:
             rows = (self.world * self.max_tokens * self.top_k) // 128 + self.num_local
             self.enable_records(2 * (-(-rows * (self.shape.l1_n_blocks + self.shape.l2_n_blocks) // self.grid))
@@ -504,12 +474,11 @@ class MegaMoE:
         self.kernel(x, topk_idx, topk_weights, self.w1, self.w2, y, st.pool, st.inter, st.pool_src, st.pool_w,
                     st.combine, st.counts, st.tok_slot, st.l1_done, st.barrier,
                     self.peer_ptrs if peer_ptrs is None else peer_ptrs, st.epoch, st.done, st.errors, self.records,
-                    st.pool_scale, st.inter_scale, self.w1_scale, self.w2_scale, self.w1_shift, self.w2_shift,
-                    self.rank, self.world, self.max_tokens, order, self.experts_per_wave(x.shape[0]),
-                    self.lead_rows, self.m_group, self.grid, TIMEOUT_NS, self.rec_cap)
-        if timing:
-            timing[1].record()
-        if auto_launch:
+                    trial[0], st.pool_scale, st.inter_scale, self.w1_scale, self.w2_scale, self.w1_shift,
+                    self.w2_shift, self.rank, self.world, self.max_tokens, ts.ORDERS[name], trial[1],
+                    self.experts_per_wave(x.shape[0]), self.lead_rows, self.m_group, self.grid, TIMEOUT_NS,
+                    self.rec_cap)
+        if (schedule or self.schedule) == "auto" or trial[1] != TRIAL_OFF:
             self.history.record(x.shape[0])
 
     def forward(self, x, topk_idx, topk_weights, schedule: str | None = None) -> torch.Tensor:
@@ -592,25 +561,25 @@ class EmulatedMoE:
         for m, x, i, w in zip(self.ranks, xs, idxs, weights):
             m.check_inputs(x, i, w)
         ys = [torch.empty_like(x) for x in xs]
-        auto = (schedule or self.ranks[0].schedule) == "auto"
-        timing = None
-        if auto:  # one order for all ranks, from all their histograms, timed over all their launches
+        trials = [None] * len(self.ranks)
+        if (schedule or self.ranks[0].schedule) == "auto":
+            # one order for all ranks: the lead resolves it from all their histograms, its launch times itself
+            # into its slot (megamoe.trial) and the other ranks' launches read the same slot
             lead = self.ranks[0]
             schedule = lead.resolve_schedule(max(x.shape[0] for x in xs), "auto", peers=self.ranks)
-            timing = lead.trial.timed(schedule, lead.history.capturing())
+            slot = lead.auto_keys[lead.auto_key][0]
+            if slot is not None:
+                trials = [(lead.trial_slots[slot], TRIAL_OWN if r == 0 else TRIAL_READ)
+                          for r in range(len(self.ranks))]
+            else:
+                trials = [(lead.trial_slots[0], TRIAL_OFF)] * len(self.ranks)
         main = torch.cuda.current_stream()
-        if timing:
-            timing[0].record(main)
-        for m, s, x, i, w, y in zip(self.ranks, self.streams, xs, idxs, weights, ys):
+        for m, s, x, i, w, y, t in zip(self.ranks, self.streams, xs, idxs, weights, ys, trials):
             s.wait_stream(main)
             with torch.cuda.stream(s):
-                m.launch(x, i, w, y, schedule)
-                if auto:
-                    m.history.record(x.shape[0])
+                m.launch(x, i, w, y, schedule, trial=t)
         for s in self.streams:
             main.wait_stream(s)
-        if timing:
-            timing[1].record(main)
         return ys
 
     def check_errors(self):

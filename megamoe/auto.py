@@ -138,10 +138,48 @@ def schedule_for_gain(gain: float) -> str:
     return "interleaved" if gain > 0.0 else "wave"
 
 
-# Launches of each order timed before a measured pick (megamoe.api.ScheduleTrial). 8: a pick from each
-# matrix configuration's first 8 trials, judged on its other trials, is within 1.2% / 2.1% / 0.4% (the 87d2fbe
-# matrix, its 024f989 replicate, W4A8), none of 248 above 3%; from the first 4: 2.8% / 3.3% / 0.7%, 1 above 3%.
+# schedule="auto"'s measured pick runs on the device (megamoe.trial): per decision key a slot of TRIAL_WORDS Int64
+# that the kernel reads at entry and its last CTA updates, so the trial goes on inside replayed CUDA graphs. A
+# key's first TRIAL_WARMUP launches run the rule's pick untimed (the chip reaches the load it will serve under:
+# timed from its first eager launches, the 664e95b matrix's trial met a cool chip and picked wrong twice, docs/
+# FINDINGS.md), then MEASURED_CALLS launches of each order alternate, each timed from its first CTA's entry to
+# its last CTA's exit; the last one's CTA writes the order with the lower median. MEASURED_CALLS 8: a pick from
+# each matrix configuration's first 8 graph trials, judged on its other trials, is within 1.2% / 2.1% / 0.4%
+# (the 87d2fbe matrix, its 024f989 replicate, W4A8), none of 248 above 3%; from the first 4: 2.8% / 3.3% / 0.7%.
 MEASURED_CALLS = 8
+TRIAL_WARMUP = 16
+# a slot's words: launches of its key so far, the decided order (0: none yet, else 1 + the order), the current
+# launch's start (globaltimer ns), a spare, then MEASURED_CALLS times (ns) of each order (tile_stream.ORDERS')
+TRIAL_LAUNCHES, TRIAL_DECIDED, TRIAL_START, TRIAL_TIMES = 0, 1, 2, 4
+TRIAL_WORDS = TRIAL_TIMES + 2 * MEASURED_CALLS
+TRIAL_SETTLE = TRIAL_WARMUP + 2 * MEASURED_CALLS  # launches of a key until its slot has decided
+
+
+def trial_launch_order(launches: int, prior: int, decided: int = 0) -> int:
+    """The order (tile_stream.ORDERS' value) that a key's launch runs when its slot has counted ``launches`` and
+    holds ``decided``: the device side's rule (megamoe.trial.trial_order), mirrored for the tests."""
+    if decided:
+        return decided - 1
+    if launches < TRIAL_WARMUP:
+        return prior
+    return prior ^ ((launches - TRIAL_WARMUP) % 2)
+
+
+def read_trial(words, prior: int) -> dict:
+    """A slot's words (TRIAL_WORDS integers) as: launches, prior, decided (None or the order's name), times_us
+    (per order name, its samples so far)."""
+    from megamoe.tile_stream import ORDERS
+
+    names = {v: k for k, v in ORDERS.items()}
+    w = [int(v) for v in words]
+    timed = max(0, min(w[TRIAL_LAUNCHES] - TRIAL_WARMUP, 2 * MEASURED_CALLS))
+    times = {}
+    for o in (0, 1):
+        count = (timed + (1 if o == prior else 0)) // 2  # the prior runs first in each pair
+        base = TRIAL_TIMES + o * MEASURED_CALLS
+        times[names[o]] = [t / 1e3 for t in w[base:base + count]]
+    return {"launches": w[TRIAL_LAUNCHES], "prior": names[prior],
+            "decided": names[w[TRIAL_DECIDED] - 1] if w[TRIAL_DECIDED] else None, "times_us": times}
 
 
 def faster_measured(times_us: dict, prior: str | None = None) -> str:

@@ -53,6 +53,7 @@ from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT,
 from megamoe.fp8_mainloop import Fp8MainloopMixin
 from megamoe.phases import (NUM_THREADS, SCALE_PAIR, WG_THREADS, DispatchCombineMixin, NamedBarrierMoE,
                             scale_units)
+from megamoe.trial import open_trial, trial_order
 from megamoe.w4a8_dequant import SHIFT_STAGE_BYTES, SHIFT_TABLE, W4DequantMixin
 
 BLOCK_M = 128
@@ -126,15 +127,16 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             return make_fake_tensor(dtype, (cute.sym_int64(),), stride=(1,), assumed_align=align)
 
         # x, idx, weights, w1, w2, y, pool, intermediate, pool_src, pool_w, combine, counts, tok_slot, l1_done,
-        # barrier, peer_ptrs, epoch, done, errors, records, then the FP8 scales (pool, intermediate, w1, w2) and
+        # barrier, peer_ptrs, epoch, done, errors, records, trial, then the FP8 scales (pool, intermediate, w1, w2) and
         # W4A8's shifts (w1, w2); W4A8's w1 and w2 are the packed E2M1 codes, two per byte
         w1, w2 = (mat(cutlass.Uint8, H // 2), mat(cutlass.Uint8, I // 2)) if self.w4 else (mat(ab, H), mat(ab, I))
         return (mat(bf16, H), mat(Int32, k), mat(Float32, k), w1, w2, mat(bf16, H),
                 mat(ab, H), mat(ab, I), vec(Int32), vec(Float32), mat(bf16, H), vec(Int32), vec(Int32),
                 vec(Int32), vec(Int64, 8), vec(Int64, 8), vec(Int64, 8), vec(Int32), vec(Int32), vec(Int64, 8),
-                mat(Float32, SCALE_PAIR), mat(Float32, SCALE_PAIR), mat(Float32, H // 128 * 4),
+                vec(Int64, 8), mat(Float32, SCALE_PAIR), mat(Float32, SCALE_PAIR), mat(Float32, H // 128 * 4),
                 mat(Float32, I // 128 * 4), mat(cutlass.Uint16, self.shift_cols(H)),
-                mat(cutlass.Uint16, self.shift_cols(I)), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int32(1), Int32(0), Int32(1), Int64(1), Int32(1))
+                mat(cutlass.Uint16, self.shift_cols(I)), Int32(0), Int32(1), Int32(1), Int32(0), Int32(0), Int32(1),
+                Int32(1), Int32(0), Int32(1), Int64(1), Int32(1))
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mIdx: cute.Tensor, mWgt: cute.Tensor, mW1: cute.Tensor,
@@ -142,16 +144,18 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                  pool_src: cute.Tensor, pool_w: cute.Tensor, mComb: cute.Tensor, counts: cute.Tensor,
                  tok_slot: cute.Tensor, l1_done: cute.Tensor, barrier: cute.Tensor, peer_ptrs: cute.Tensor,
                  epoch: cute.Tensor, done: cute.Tensor, errors: cute.Tensor, records: cute.Tensor,
-                 s_pool: cute.Tensor, s_inter: cute.Tensor, s_w1: cute.Tensor, s_w2: cute.Tensor, mS1: cute.Tensor,
-                 mS2: cute.Tensor, rank: Int32, world: Int32, max_tokens: Int32, order: Int32, experts_per_wave: Int32,
-                 lead: Int32, m_group: Int32, grid: Int32, timeout_ns: Int64, rec_cap: Int32, stream: cuda.CUstream):
+                 trial: cute.Tensor, s_pool: cute.Tensor, s_inter: cute.Tensor, s_w1: cute.Tensor, s_w2: cute.Tensor, mS1: cute.Tensor,
+                 mS2: cute.Tensor, rank: Int32, world: Int32, max_tokens: Int32, order: Int32, trial_mode: Int32,
+                 experts_per_wave: Int32, lead: Int32, m_group: Int32, grid: Int32, timeout_ns: Int64, rec_cap: Int32, stream: cuda.CUstream):
         """``mX`` (T, H) this rank's tokens, ``mIdx``/``mWgt`` (T, top_k) routing; ``mW1`` (E_l * 2I, H) and
         ``mW2`` (E_l * H, I) this rank's experts (load_weights' layout); ``mY`` (T, H). Symmetric (peers write):
         ``mPool`` (rows, H), ``pool_src``/``pool_w`` (rows), ``mComb`` (max_tokens * top_k, H), ``counts``
         (2 * E_l), ``barrier`` (1). Local: ``mInter`` (rows, I), ``tok_slot`` (max_tokens * top_k),
         ``l1_done`` (rows / 128), ``epoch``, ``done``, ``errors``, ``records``. ``peer_ptrs`` (6 * world):
         every rank's address of each symmetric buffer, in PEER_KINDS order. ``order``: tile_stream.WAVE or
-        INTERLEAVED; ``lead``: D in whole rows. w8a8: the operands are e4m3 and ``s_pool`` (symmetric: Dispatch
+        INTERLEAVED, the order unless ``trial_mode`` (megamoe.trial) lets ``trial`` (megamoe.auto.TRIAL_WORDS
+        Int64: schedule="auto"'s slot for the launch's decision key) pick it, ``order`` its prior; ``lead``: D in
+        whole rows. w8a8: the operands are e4m3 and ``s_pool`` (symmetric: Dispatch
         writes it: H/128 per row) and ``s_inter`` (I/64 per row) the activation scales, per 128-row block
         unit-major inside it (``megamoe.phases.scale_index``), as (slots / 256, 256); ``s_w1`` (E_l * I/128,
         H/128 * 4: per L1 N-block pair and K block the gate and up blocks' scales, two zeros) and ``s_w2``
@@ -222,23 +226,23 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             sSB: cute.struct.Align[cute.struct.MemRange[Float32, SB_STAGE * sc_stages], 128]
 
         self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
-                    peer_ptrs, epoch, done, errors, records, s_inter_flat, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1,
+                    peer_ptrs, epoch, done, errors, records, trial, s_inter_flat, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1,
                     tma_w2, gS1, gS2, tma_s1, tma_s2, gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2,
                     sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
-                    experts_per_wave, lead, m_group, timeout_ns, rec_cap, SharedStorage).launch(
+                    trial_mode, experts_per_wave, lead, m_group, timeout_ns, rec_cap, SharedStorage).launch(
             grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
-               peer_ptrs, epoch, done, errors, records, s_inter, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
+               peer_ptrs, epoch, done, errors, records, trial, s_inter, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
                tma_h: cute.CopyAtom, tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, gS1, gS2, tma_s1: cute.CopyAtom,
                tma_s2: cute.CopyAtom, gSA1, gSA2, gSB1, gSB2, tma_sa1: cute.CopyAtom, tma_sa2: cute.CopyAtom,
                tma_sb1: cute.CopyAtom, tma_sb2: cute.CopyAtom, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, sH_layout: cute.Layout,
                mma: cute.TiledMma, mma_half: cute.TiledMma, tx: cutlass.Constexpr, rank: Int32, world: Int32,
-               max_tokens: Int32, order: Int32, experts_per_wave: Int32, lead: Int32, m_group: Int32, timeout_ns: Int64,
-               rec_cap: Int32, SharedStorage: cutlass.Constexpr):
+               max_tokens: Int32, prior: Int32, trial_mode: Int32, experts_per_wave: Int32, lead: Int32,
+               m_group: Int32, timeout_ns: Int64, rec_cap: Int32, SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -266,6 +270,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         s_ntok = storage.n_tok.get_tensor(cute.make_layout(E))
         s_owner = storage.owner_off.get_tensor(cute.make_layout(self.max_world * E))
         e_launch = epoch[0]
+        # schedule="auto": this launch's order from its slot (the same in every thread of the grid)
+        order = cute.arch.make_warp_uniform(trial_order(trial, prior, trial_mode))
+        open_trial(trial, trial_mode, tidx, bidx)
         parity = Int32(e_launch % 2)
         arrivals = Int64(world) * Int64(grid)  # one barrier's arrivals on each rank's counter
 
@@ -306,7 +313,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                     t_done, _ = timers.now_after_barrier(s_ntok)
                     records[ph + PHASES.index("stores_done")] = t_done
             self.finish(mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, (e_launch * 3 + 3) * arrivals,
-                        e_launch, world, timeout_ns, tidx - WG_THREADS, bidx, grid, self.stamp_at(records, ph, "b3"))
+                        e_launch, world, timeout_ns, tidx - WG_THREADS, bidx, grid, (trial, order, prior, trial_mode),
+                        self.stamp_at(records, ph, "b3"))
 
     def stamp_at(self, records, ph, name: str):
         """(records, the index of phase stamp ``name`` of this CTA) when instrumented, else None."""

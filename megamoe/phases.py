@@ -10,6 +10,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from cute_kernels import flags as fl
+from megamoe.trial import close_trial
 
 NUM_THREADS = 384
 WG_THREADS = 128
@@ -247,9 +248,10 @@ class DispatchCombineMixin:
     # ---------------------------------------------------------------- phase 4: combine
     @cute.jit
     def finish(self, mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, target, e_launch, world,
-               timeout_ns, tidx, bidx, grid, stamps: cutlass.Constexpr = None):
+               timeout_ns, tidx, bidx, grid, trial_args, stamps: cutlass.Constexpr = None):
         """The MMA warpgroups after their walk: barrier B3 over every rank, then y = sum_k combine rows (one warp
-        per token), then the last CTA advances the epoch. ``stamps`` (instrument): (records, index of B3's
+        per token), then the last CTA advances the epoch and closes the launch's auto trial (``trial_args``: the
+        slot, the order run, the prior, the mode; megamoe.trial.close_trial). ``stamps`` (instrument): (records, index of B3's
         phase stamp; the next is the end of this CTA's sums)."""
         self.cross_rank_barrier(barrier, peer_ptrs, target, world, errors, timeout_ns, tidx, bidx,
                                 NamedBarrierMoE.MmaGroups, 2 * WG_THREADS, stamps)
@@ -295,3 +297,4 @@ class DispatchCombineMixin:
             if arrived == grid - 1:
                 epoch[0] = e_launch + 1
                 done[0] = Int32(0)
+                close_trial(*trial_args)

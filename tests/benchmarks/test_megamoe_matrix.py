@@ -488,35 +488,30 @@ def test_the_bench_still_takes_its_three_default_shapes():
     assert sys.modules["benchmarks.megamoe"] is mb
 
 
-class FakeTrial:
-    def __init__(self, prior, decided):
-        self.prior, self.decided, self.times_us, self.polls = prior, decided, {"wave": [3.0], "interleaved": [2.0]}, 0
-
-    def poll(self):
-        self.polls += 1
-
-
 class AutoLayer(FakeLayer):
-    """schedule="auto" settles on interleaved after the rule's prior, wave (the fake's trial)."""
+    """schedule="auto" settles on interleaved after the rule's prior, wave (the fake's trial slot, read back by
+    auto_trial once the settling calls ran)."""
 
     auto_calls: ClassVar[list] = []
 
     def forward(self, x, topk_idx, topk_weights, schedule=None):
         if schedule == "auto":
             AutoLayer.auto_calls.append(x.shape[0])
-            self.trial = FakeTrial("wave", "interleaved")
             schedule = "interleaved"
         return super().forward(x, topk_idx, topk_weights, schedule)
 
+    def auto_trial(self):
+        return {"launches": 32, "prior": "wave", "decided": "interleaved",
+                "times_us": {"wave": [3.0], "interleaved": [2.0]}}
+
 
 def test_auto_column_settles_then_reports_its_in_run_regret(tmp_path):
-    """--auto: the auto column is settled (SETTLE_CALLS eager calls) before it is checked and timed beside the
-    two schedules in shuffled trials; its regret is its own time against the better schedule's, the pick's the
-    settled order's column; the summary and the table carry both."""
-    from benchmarks.megamoe_auto import SETTLE_CALLS
-    from megamoe.auto import MEASURED_CALLS
+    """--auto: the auto column is checked, captured, then run settle_replays times (here eagerly: the stub
+    capture makes no graph) before it is timed beside the two schedules in shuffled trials; its regret is its
+    own time against the better schedule's, the pick's the settled order's column; the summary and the table
+    carry both."""
+    from benchmarks.megamoe_auto import settle_replays
 
-    assert SETTLE_CALLS == 1 + 2 * MEASURED_CALLS
     AutoLayer.auto_calls = []
     seen = []
 
@@ -528,11 +523,14 @@ def test_auto_column_settles_then_reports_its_in_run_regret(tmp_path):
     _, saved, md, _ = fake_run(tmp_path, "--auto", "--world", "1", "--routing", "balanced", "--tokens", "8,5",
                                api=(SimpleNamespace(MegaMoE=AutoLayer), None), timer=timer)
     assert all(cols == ["wave", "interleaved", "auto"] for cols in seen) and len(seen) == 2
-    assert len(AutoLayer.auto_calls) == 2 * (SETTLE_CALLS + 1)  # settling, then run_columns' eager check
+    calls = saved["args"]["calls_per_graph"]
+    # per configuration: run_columns' eager check, then the settling replays' calls
+    assert len(AutoLayer.auto_calls) == 2 * (1 + settle_replays(calls) * calls)
     assert saved["args"]["auto"] and "--auto: a third column" in saved["method"]
     first, second = (c for c in saved["configurations"] if c["status"] == "measured")
     assert first["auto"]["order"] == "interleaved" and first["auto"]["prior"] == "wave"
-    assert first["auto"]["settle_calls"] == SETTLE_CALLS and first["auto"]["trial_us"]["wave"] == [3.0]
+    assert first["auto"]["settle_replays"] == settle_replays(calls) and first["auto"]["launches"] == 32
+    assert first["auto"]["trial_us"]["wave"] == [3.0]
     assert first["auto_regret"] == pytest.approx(0.04) and second["auto_regret"] == pytest.approx(0.005)
     assert first["auto_pick_regret"] == 0.0 and first["speedup"] == pytest.approx(1.1)
     st = saved["summary"]["auto"]["overall"]
@@ -544,14 +542,21 @@ def test_auto_column_settles_then_reports_its_in_run_regret(tmp_path):
     assert mx.config_seconds(mx.Config(**{**vars(plain), "auto": True}), 20, 2) > mx.config_seconds(plain, 20, 2)
 
 
-def test_settle_auto_syncs_after_the_first_call_then_runs_the_trial_back_to_back():
-    from benchmarks.megamoe_auto import SETTLE_CALLS, settle_auto
+def test_settle_auto_replays_the_graph_back_to_back_then_reads_the_lead_slot():
+    from benchmarks.megamoe_auto import settle_auto, settle_replays
+    from megamoe.auto import TRIAL_SETTLE
 
+    assert settle_replays(2) * 2 >= TRIAL_SETTLE and (settle_replays(2) - 1) * 2 < TRIAL_SETTLE
+    assert settle_replays(1) == TRIAL_SETTLE
     log = []
-    layer = SimpleNamespace(trial=FakeTrial("wave", "interleaved"))
-    out = settle_auto(lambda: log.append("call"), layer, sync=lambda: log.append("sync"))
-    assert log == ["call", "sync"] + ["call"] * (SETTLE_CALLS - 1) + ["sync"]
-    assert out == {"order": "interleaved", "prior": "wave", "settle_calls": SETTLE_CALLS,
-                   "trial_us": {"wave": [3.0], "interleaved": [2.0]}} and layer.trial.polls == 1
+    layer = AutoLayer.__new__(AutoLayer)
+    graph = SimpleNamespace(replay=lambda: log.append("replay"))
+    out = settle_auto(graph, lambda: log.append("call"), layer, 2, sync=lambda: log.append("sync"))
+    assert log == ["replay"] * settle_replays(2) + ["sync"]
+    assert out == {"order": "interleaved", "prior": "wave", "settle_replays": settle_replays(2), "launches": 32,
+                   "trial_us": {"wave": [3.0], "interleaved": [2.0]}}
+    log.clear()
+    settle_auto(None, lambda: log.append("call"), layer, 3, sync=lambda: log.append("sync"))
+    assert log == ["call"] * (3 * settle_replays(3)) + ["sync"]  # no graph: the calls themselves
     emulated = SimpleNamespace(emulated=SimpleNamespace(ranks=[layer, None]))
-    assert settle_auto(lambda: None, emulated, sync=lambda: None)["order"] == "interleaved"  # the lead rank's
+    assert settle_auto(graph, lambda: None, emulated, 2, sync=lambda: None)["order"] == "interleaved"  # the lead's

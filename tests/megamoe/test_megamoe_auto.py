@@ -118,52 +118,36 @@ def test_regret_tool_on_a_synthetic_result(tmp_path, capsys):
         megamoe_auto.main([str(path), "--dtype", "bf16"])
 
 
-class _FakeEvent:
-    """A CUDA event stand-in: ``passed`` says whether query() sees it done; times are set by the test."""
+def test_trial_launch_order_warms_up_then_alternates_then_keeps_the_decision():
+    """megamoe.auto.trial_launch_order (the kernel's megamoe.trial.trial_order, mirrored): the prior through
+    TRIAL_WARMUP launches, then prior and other alternating, MEASURED_CALLS each; a decided slot its order."""
+    from megamoe.auto import MEASURED_CALLS, TRIAL_SETTLE, TRIAL_WARMUP, trial_launch_order
 
-    def __init__(self):
-        self.t, self.passed = None, False
-
-    def record(self, stream=None):
-        pass
-
-    def query(self):
-        return self.passed
-
-    def elapsed_time(self, end):
-        return end.t - self.t  # ms
+    assert TRIAL_SETTLE == TRIAL_WARMUP + 2 * MEASURED_CALLS
+    for prior in (0, 1):
+        seq = [trial_launch_order(n, prior) for n in range(TRIAL_SETTLE)]
+        assert seq[:TRIAL_WARMUP] == [prior] * TRIAL_WARMUP
+        assert seq[TRIAL_WARMUP:] == [prior, 1 - prior] * MEASURED_CALLS
+        assert {trial_launch_order(n, prior, decided) for n in range(40) for decided in (1,)} == {0}
+        assert trial_launch_order(TRIAL_WARMUP + 1, prior, 2) == 1
 
 
-def test_schedule_trial_alternates_then_keeps_the_faster_order():
-    """megamoe.api.ScheduleTrial: the rule's pick first, the orders alternate TRIAL_CALLS times each, nothing
-    is decided before every timed launch's events passed (no sync), then the lower median stays; while a graph
-    is captured no launch is timed and the order is the prior (or the decided one)."""
-    from megamoe.api import TRIAL_CALLS, ScheduleTrial
+def test_read_trial_decodes_a_slot_part_way_and_settled():
+    from megamoe.auto import MEASURED_CALLS, TRIAL_DECIDED, TRIAL_LAUNCHES, TRIAL_TIMES, TRIAL_WARMUP, TRIAL_WORDS
+    from megamoe.auto import read_trial
 
-    made = []
-
-    def events():
-        made.append(_FakeEvent())
-        return made[-1]
-
-    trial = ScheduleTrial("wave", events)
-    assert trial.order(capturing=True) == "wave" and trial.timed("wave", capturing=True) is None
-    seen = []
-    for i in range(2 * TRIAL_CALLS):
-        name = trial.order()
-        seen.append(name)
-        start, end = trial.timed(name)
-        start.t, end.t = 0.0, (1.0 if name == "interleaved" else 1.1) + 0.01 * i  # interleaved ~10% faster
-    assert seen == ["wave", "interleaved"] * TRIAL_CALLS
-    assert trial.order() == "wave" and trial.timed("wave") is None  # every sample launched, none passed yet
-    for ev in made[:-2]:
-        ev.passed = True
-    assert trial.order() == "wave" and trial.decided is None  # the last launch's events have not passed
-    for ev in made:
-        ev.passed = True
-    assert trial.order() == "interleaved" and trial.order(capturing=True) == "interleaved"
-    assert len(trial.times_us["wave"]) == TRIAL_CALLS and trial.timed("interleaved") is None
-    assert ScheduleTrial("interleaved", None).order() == "interleaved"  # no CUDA: the rule's pick stays
+    words = [0] * TRIAL_WORDS
+    words[TRIAL_LAUNCHES] = TRIAL_WARMUP + 3  # prior (interleaved: 1) twice, wave once
+    words[TRIAL_TIMES + MEASURED_CALLS:TRIAL_TIMES + MEASURED_CALLS + 2] = [5000, 5100]
+    words[TRIAL_TIMES] = 4900
+    got = read_trial(words, 1)
+    assert got == {"launches": TRIAL_WARMUP + 3, "prior": "interleaved", "decided": None,
+                   "times_us": {"wave": [4.9], "interleaved": [5.0, 5.1]}}
+    words[TRIAL_LAUNCHES] = TRIAL_WARMUP + 2 * MEASURED_CALLS
+    words[TRIAL_DECIDED] = 1  # wave
+    got = read_trial(words, 1)
+    assert got["decided"] == "wave" and all(len(t) == MEASURED_CALLS for t in got["times_us"].values())
+    assert read_trial([0] * TRIAL_WORDS, 0)["times_us"] == {"wave": [], "interleaved": []}
 
 
 def test_measured_pick_floor_judges_early_trials_on_the_rest():

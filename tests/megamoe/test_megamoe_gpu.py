@@ -327,7 +327,7 @@ def test_quantized_emulated_ranks(seed, precision, world, hidden):
         _close(y, reference(x, idx, w, w1, w2), f"{precision} rank {r}/{world} seed={seed}", 3e-2, 1e-1)
 
 
-def test_auto_schedule_runs_the_order_it_resolves_to(seed):
+def test_auto_schedule_resolves_the_rules_pick_and_keeps_the_histogram(seed):
     moe = _layer(8, 2, 300, schedule="auto")
     w1, w2 = _weights(8, SMALL["hidden"], SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
@@ -340,45 +340,126 @@ def test_auto_schedule_runs_the_order_it_resolves_to(seed):
     torch.cuda.synchronize()
     rows, tokens = moe.history.latest()
     assert tokens == 300 and rows == tuple(torch.bincount(idx.flatten().long().cpu(), minlength=8).tolist()), seed
-    assert moe.resolve_schedule(300) in ("wave", "interleaved")
-    # from the histogram on, a trial (megamoe.api.ScheduleTrial): the orders alternate TRIAL_CALLS times each,
-    # each launch between two events, every output the same bits; once the events passed, the faster order stays
-    from megamoe.api import TRIAL_CALLS
+    assert moe.resolve_schedule(300) in ("wave", "interleaved") and len(moe.auto_keys) == 2
 
-    ref = moe.forward(x, idx, w, "wave")
-    seen = []
-    for _ in range(2 * TRIAL_CALLS):
-        seen.append(moe.resolve_schedule(300))
-        assert torch.equal(moe.forward(x, idx, w), ref), f"seed={seed}"
+
+def _dump_order(dump) -> tuple:
+    """An instrumented launch's tile walk: every CTA's (slot, kind, expert, m, n) records, sorted."""
+    return tuple(sorted(zip(*(dump[k].tolist() for k in ("cta", "slot", "kind", "expert", "m", "n")))))
+
+
+def test_auto_trial_runs_on_the_device_as_megamoe_auto_says(seed):
+    """schedule="auto": each launch's tile walk (its records) is the order megamoe.auto.trial_launch_order gives
+    for the key's launches so far: the rule's pick through TRIAL_WARMUP launches, then the two orders
+    alternating MEASURED_CALLS times each, then the decision the kernel wrote, which is faster_measured of the
+    samples it wrote (read back by auto_trial); every output the same bits."""
+    from megamoe.auto import MEASURED_CALLS, TRIAL_SETTLE, TRIAL_WARMUP, faster_measured, trial_launch_order
+    from megamoe.tile_stream import ORDERS
+
+    num_experts, top_k, tokens = 8, 2, 1500
+    moe = _layer(num_experts, top_k, tokens, instrument=True, schedule="auto")
+    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    x, idx, w = _inputs(tokens, num_experts, top_k, "skewed", seed, SMALL["hidden"])
+    walks, ref = {}, None
+    for name in ORDERS:
+        y = moe.forward(x, idx, w, name)
+        walks[name] = _dump_order(moe.last_dump())
+        ref = y if ref is None else ref
+        assert torch.equal(y, ref), f"seed={seed}"
+    assert walks["wave"] != walks["interleaved"], "both orders walk alike here: the test would prove nothing"
+    _close(ref, _reference(x, idx, w, w1, w2), f"auto seed={seed}")
+    moe.forward(x, idx, w)  # keyed on the expected histogram; from here on on this input's (landed: synced)
     torch.cuda.synchronize()
-    trial = moe.trial
-    assert sorted(seen) == sorted(["wave", "interleaved"] * TRIAL_CALLS), seen
-    assert moe.resolve_schedule(300) == trial.decided
-    med = {n: sorted(t)[len(t) // 2] for n, t in trial.times_us.items()}
-    assert all(len(t) == TRIAL_CALLS and min(t) > 0 for t in trial.times_us.values()), trial.times_us
-    assert med[trial.decided] <= min(med.values()), (med, trial.decided)
+    prior, decided, run = None, 0, []
+    for n in range(TRIAL_SETTLE + 3):
+        y = moe.forward(x, idx, w)
+        walk = _dump_order(moe.last_dump())
+        assert torch.equal(y, ref), f"launch {n} seed={seed}"
+        got = next((name for name, v in walks.items() if v == walk), None)
+        prior = prior or moe.auto_trial()["prior"]
+        if n == TRIAL_SETTLE:
+            decided = ORDERS[moe.auto_trial()["decided"]] + 1
+        want = trial_launch_order(min(n, TRIAL_SETTLE), ORDERS[prior], decided)
+        run.append(got)
+        assert got is not None and ORDERS[got] == want, (n, run, prior)
+    trial = moe.auto_trial()
+    assert trial["launches"] == TRIAL_SETTLE and trial["decided"] in ORDERS, trial
+    assert all(len(t) == MEASURED_CALLS and min(t) > 0 for t in trial["times_us"].values()), trial
+    assert trial["decided"] == faster_measured(trial["times_us"], trial["prior"]), trial
+    assert run[-1] == trial["decided"] and run[:TRIAL_WARMUP] == [prior] * TRIAL_WARMUP
     moe.check_errors()
 
 
-def test_emulated_auto_decides_once_for_all_ranks(seed):
-    """EmulatedMoE(schedule="auto"): one order for every rank per call, the trial timing the P launches together
-    from the main stream; the outputs stay the reference's whatever the order."""
-    from megamoe.api import TRIAL_CALLS, EmulatedMoE
+def test_auto_trial_settles_inside_a_replayed_graph(seed):
+    """A graph captured with schedule="auto" on a fresh key: its replays run the kernel's trial (nothing on the
+    host), every replay's output the eager one's bits, and the slot has decided after TRIAL_SETTLE launches."""
+    from megamoe.auto import MEASURED_CALLS, TRIAL_SETTLE, faster_measured
 
-    moe = EmulatedMoE(2, 8, 2, SMALL["hidden"], SMALL["intermediate"], max_tokens_per_rank=200, schedule="auto")
+    num_experts, top_k, tokens = 8, 2, 256
+    moe = _layer(num_experts, top_k, tokens, schedule="auto")
+    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    moe.load_weights(w1, w2)
+    x, idx, w = _inputs(tokens, num_experts, top_k, "skewed", seed, SMALL["hidden"])
+    eager = moe.forward(x, idx, w, "wave")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe.forward(x, idx, w)  # the auto launch whose histogram keys the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = moe.forward(x, idx, w)
+    key = moe.auto_key
+    assert moe.auto_trial(key)["launches"] == 0, "the capture launched nothing"
+    bad = torch.zeros((), dtype=torch.int64, device="cuda")
+    for _ in range(TRIAL_SETTLE + 2):
+        graph.replay()
+        bad += (y_static != eager).any().long()
+    torch.cuda.synchronize()
+    moe.check_errors()
+    assert int(bad) == 0, f"{int(bad)} replays differ from the eager output (seed={seed})"
+    trial = moe.auto_trial(key)
+    assert trial["launches"] == TRIAL_SETTLE and trial["decided"] is not None, trial
+    assert all(len(t) == MEASURED_CALLS for t in trial["times_us"].values()), trial
+    assert trial["decided"] == faster_measured(trial["times_us"], trial["prior"]), trial
+
+
+def test_emulated_auto_decides_once_for_all_ranks(seed):
+    """EmulatedMoE(schedule="auto"): the lead rank's launch times itself into its slot, the other ranks' read
+    it, so every rank walks the same order at every call (their records), the outputs stay the reference's."""
+    from megamoe.api import EmulatedMoE
+    from megamoe.auto import TRIAL_SETTLE
+    from megamoe.tile_stream import ORDERS
+
+    moe = EmulatedMoE(2, 8, 2, SMALL["hidden"], SMALL["intermediate"], max_tokens_per_rank=600, schedule="auto",
+                      instrument=True)
     w1, w2 = _weights(8, SMALL["hidden"], SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
-    ins = [_inputs(t, 8, 2, "skewed", seed + r, SMALL["hidden"]) for r, t in enumerate((200, 77))]
+    ins = [_inputs(t, 8, 2, "skewed", seed + r, SMALL["hidden"]) for r, t in enumerate((600, 377))]
     args = [[i[k] for i in ins] for k in range(3)]
-    first = moe.forward(*args)
-    torch.cuda.synchronize()  # the histograms landed: the next calls decide from them
+    walks, first = {}, None
+    for name in ORDERS:
+        ys = moe.forward(*args, schedule=name)
+        walks[name] = [_dump_order(m.last_dump()) for m in moe.ranks]
+        first = first or ys
+        assert all(torch.equal(a, b) for a, b in zip(ys, first)), f"seed={seed}"
+    assert all(a != b for a, b in zip(walks["wave"], walks["interleaved"])), "the orders walk alike here"
     for r, (y, (x, idx, w)) in enumerate(zip(first, ins)):
         _close(y, _reference(x, idx, w, w1, w2), f"auto rank {r}/2 seed={seed}")
-    for _ in range(2 * TRIAL_CALLS + 1):
+    moe.forward(*args)
+    torch.cuda.synchronize()  # the histograms landed: the next calls decide from them
+    run = []
+    for _ in range(TRIAL_SETTLE + 2):
         ys = moe.forward(*args)
-        torch.cuda.synchronize()
+        got = [next((n for n, v in walks.items() if v[r] == _dump_order(m.last_dump())), None)
+               for r, m in enumerate(moe.ranks)]
+        assert got[0] is not None and got == [got[0]] * len(got), (run, got)
+        run.append(got[0])
         assert all(torch.equal(a, b) for a, b in zip(ys, first)), f"seed={seed}"
     lead = moe.ranks[0]
-    assert lead.trial.decided in ("wave", "interleaved"), lead.trial.times_us
-    assert all(m.auto_picks == {} for m in moe.ranks[1:])  # the lead rank decides for all
+    trial = lead.auto_trial()
+    assert trial["decided"] in ORDERS and run[-1] == trial["decided"] and set(run) == set(ORDERS), (trial, run)
+    assert all(m.auto_keys == {} for m in moe.ranks[1:])  # the lead rank decides for all
     moe.check_errors()
