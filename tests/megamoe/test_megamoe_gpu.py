@@ -408,11 +408,13 @@ def test_auto_trial_settles_inside_a_replayed_graph(seed):
         moe.forward(x, idx, w)  # the auto launch whose histogram keys the capture
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+    moe.resolve_schedule(tokens)  # lands that launch's histogram: the capture's key is this input's, still fresh
+    key = moe.auto_key
+    assert moe.auto_trial(key)["launches"] == 0
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y_static = moe.forward(x, idx, w)
-    key = moe.auto_key
-    assert moe.auto_trial(key)["launches"] == 0, "the capture launched nothing"
+    assert moe.auto_key == key and moe.auto_trial(key)["launches"] == 0, "the capture launched nothing"
     bad = torch.zeros((), dtype=torch.int64, device="cuda")
     for _ in range(TRIAL_SETTLE + 2):
         graph.replay()
