@@ -536,7 +536,8 @@ def test_auto_column_settles_then_reports_its_in_run_regret(tmp_path):
     st = saved["summary"]["auto"]["overall"]
     assert st["n"] == 2 and st["max_regret"] == pytest.approx(0.04) and st["over_3pct"] == 1
     assert st["worst_config"] == first["key"] and st["picks_the_better"] == 2 and st["pick_max_regret"] == 0.0
-    assert "## schedule=\"auto\", in-run regret" in md and "| all | 2 | 4.0% | 2.2% | 1 | 2 | 0.0% | 0 |" in md
+    assert st["round_max_regret"] == pytest.approx(0.04) and st["round_over_3pct"] == 1
+    assert "## schedule=\"auto\", in-run regret" in md and "| all | 2 | 4.0% | 2.2% | 1 | 4.0% | 1 | 2 | 0.0% | 0 |" in md
     assert "| 104 | interleaved | +4.0% |" in md
     plain = mx.configurations(parse("--world", "1"))[0]
     assert mx.config_seconds(mx.Config(**{**vars(plain), "auto": True}), 20, 2) > mx.config_seconds(plain, 20, 2)
