@@ -257,8 +257,9 @@ def w4a8_kernel_weights(w: torch.Tensor, gate_up: bool, device, chunk: int = 8):
 class MegaMoE:
     """One MoE layer on one rank of ``group`` (None: world size 1). ``schedule``: "interleaved" (Algorithm 1),
     "wave" (expert waves) or "auto" (megamoe.auto picks one from the model and the previous call's routing
-    histogram), also per call; ``lead``: Algorithm 1's D in rows (None: schedule.d_lead, eq. 16's
-    knee widened by the L2/L1 mainloop ratio);
+    histogram, then the kernel times both orders and keeps the faster: megamoe.trial; ``auto_trial`` reads it),
+    also per call; ``lead``: Algorithm 1's D in rows (None: schedule.d_lead, eq. 16's knee widened by the L2/L1
+    mainloop ratio);
     ``instrument``: per-tile records (``last_dump``); ``num_sms``: CTAs of the persistent grid (default: every
     SM; it must be even for the interleaved order's CTA pairs)."""
 

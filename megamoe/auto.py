@@ -184,8 +184,8 @@ def read_trial(words, prior: int) -> dict:
 
 def faster_measured(times_us: dict, prior: str | None = None) -> str:
     """The order whose measured times (per order name, a list each) have the lower median (the upper one of an
-    even count), ties to ``prior``: the pick ``megamoe.api.ScheduleTrial`` settles on, and what the regret
-    tool's ``measured_pick_floor`` replays on a run's own trials."""
+    even count), ties to ``prior``: the pick the kernel's trial writes (megamoe.trial.close_trial, mirrored),
+    and what the regret tool's ``measured_pick_floor`` replays on a run's own trials."""
     med = {name: sorted(t)[len(t) // 2] for name, t in times_us.items()}
     return min(med, key=lambda name: (med[name], name != prior))
 
