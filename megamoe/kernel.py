@@ -127,8 +127,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             return make_fake_tensor(dtype, (cute.sym_int64(),), stride=(1,), assumed_align=align)
 
         # x, idx, weights, w1, w2, y, pool, intermediate, pool_src, pool_w, combine, counts, tok_slot, l1_done,
-        # barrier, peer_ptrs, epoch, done, errors, records, trial, then the FP8 scales (pool, intermediate, w1, w2) and
-        # W4A8's shifts (w1, w2); W4A8's w1 and w2 are the packed E2M1 codes, two per byte
+        # barrier, peer_ptrs, epoch, done, errors, records, trial, then the FP8 scales (pool, intermediate, w1,
+        # w2) and W4A8's shifts (w1, w2); W4A8's w1 and w2 are the packed E2M1 codes, two per byte
         w1, w2 = (mat(cutlass.Uint8, H // 2), mat(cutlass.Uint8, I // 2)) if self.w4 else (mat(ab, H), mat(ab, I))
         return (mat(bf16, H), mat(Int32, k), mat(Float32, k), w1, w2, mat(bf16, H),
                 mat(ab, H), mat(ab, I), vec(Int32), vec(Float32), mat(bf16, H), vec(Int32), vec(Int32),
@@ -144,9 +144,10 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                  pool_src: cute.Tensor, pool_w: cute.Tensor, mComb: cute.Tensor, counts: cute.Tensor,
                  tok_slot: cute.Tensor, l1_done: cute.Tensor, barrier: cute.Tensor, peer_ptrs: cute.Tensor,
                  epoch: cute.Tensor, done: cute.Tensor, errors: cute.Tensor, records: cute.Tensor,
-                 trial: cute.Tensor, s_pool: cute.Tensor, s_inter: cute.Tensor, s_w1: cute.Tensor, s_w2: cute.Tensor, mS1: cute.Tensor,
-                 mS2: cute.Tensor, rank: Int32, world: Int32, max_tokens: Int32, order: Int32, trial_mode: Int32,
-                 experts_per_wave: Int32, lead: Int32, m_group: Int32, grid: Int32, timeout_ns: Int64, rec_cap: Int32, stream: cuda.CUstream):
+                 trial: cute.Tensor, s_pool: cute.Tensor, s_inter: cute.Tensor, s_w1: cute.Tensor,
+                 s_w2: cute.Tensor, mS1: cute.Tensor, mS2: cute.Tensor, rank: Int32, world: Int32, max_tokens: Int32,
+                 order: Int32, trial_mode: Int32, experts_per_wave: Int32, lead: Int32, m_group: Int32, grid: Int32,
+                 timeout_ns: Int64, rec_cap: Int32, stream: cuda.CUstream):
         """``mX`` (T, H) this rank's tokens, ``mIdx``/``mWgt`` (T, top_k) routing; ``mW1`` (E_l * 2I, H) and
         ``mW2`` (E_l * H, I) this rank's experts (load_weights' layout); ``mY`` (T, H). Symmetric (peers write):
         ``mPool`` (rows, H), ``pool_src``/``pool_w`` (rows), ``mComb`` (max_tokens * top_k, H), ``counts``
@@ -226,8 +227,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             sSB: cute.struct.Align[cute.struct.MemRange[Float32, SB_STAGE * sc_stages], 128]
 
         self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
-                    peer_ptrs, epoch, done, errors, records, trial, s_inter_flat, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1,
-                    tma_w2, gS1, gS2, tma_s1, tma_s2, gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2,
+                    peer_ptrs, epoch, done, errors, records, trial, s_inter_flat, gX, gH, gW1, gW2, tma_x, tma_h,
+                    tma_w1, tma_w2, gS1, gS2, tma_s1, tma_s2, gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2,
                     sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
                     trial_mode, experts_per_wave, lead, m_group, timeout_ns, rec_cap, SharedStorage).launch(
             grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)

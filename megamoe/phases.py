@@ -251,8 +251,8 @@ class DispatchCombineMixin:
                timeout_ns, tidx, bidx, grid, trial_args, stamps: cutlass.Constexpr = None):
         """The MMA warpgroups after their walk: barrier B3 over every rank, then y = sum_k combine rows (one warp
         per token), then the last CTA advances the epoch and closes the launch's auto trial (``trial_args``: the
-        slot, the order run, the prior, the mode; megamoe.trial.close_trial). ``stamps`` (instrument): (records, index of B3's
-        phase stamp; the next is the end of this CTA's sums)."""
+        slot, the order run, the prior, the mode; megamoe.trial.close_trial). ``stamps`` (instrument): (records,
+        index of B3's phase stamp; the next is the end of this CTA's sums)."""
         self.cross_rank_barrier(barrier, peer_ptrs, target, world, errors, timeout_ns, tidx, bidx,
                                 NamedBarrierMoE.MmaGroups, 2 * WG_THREADS, stamps)
         k = self.top_k
