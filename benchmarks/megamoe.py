@@ -25,6 +25,7 @@ same FP8 quantization for ours_fp8; unfused_fp8's row-wise recipe against the un
 the arrays in FILE.npz and what they are in FILE.json.
 --matrix: the configuration matrix instead (benchmarks/megamoe_matrix.py: the seven PRESETS x precision x
 routing x tokens x world, ours wave vs interleaved only), which reuses this file's row runner (run_columns).
+The command's runner, above this file, the matrix and the real-rank phases: benchmarks/megamoe_cli.py.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ import sys
 import zlib
 from dataclasses import asdict, dataclass
 
-from calibrate.cli import UsageError
+from benchmarks.megamoe_ranks import METHOD as METHOD_REAL
+from benchmarks.megamoe_ranks import add_ranks_argument, one_reason, ranks_record
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,6 @@ def add_arguments(p) -> None:
                                         "default 1,2")
     p.add_argument("--columns", type=lambda t: _comma_list(t, "column", COLUMNS), default=list(COLUMNS),
                    metavar="LIST", help=f"comma-separated, of {', '.join(COLUMNS)} (default all)")
-    from benchmarks.megamoe_ep import add_ranks_argument
-
     add_ranks_argument(p)
     p.add_argument("--replays", type=int, default=10, help="interleaved rounds (default 10)")
     p.add_argument("--calls-per-graph", type=int, default=2, help="calls per captured graph (default 2)")
@@ -180,6 +180,34 @@ class RankLists:
         dumps = [m.last_dump() for m in self.emulated.ranks]
         out = {k: np.concatenate([d[k] for d in dumps]) for k in dumps[0]}
         out["rank"] = np.concatenate([np.full(len(next(iter(d.values()), [])), r) for r, d in enumerate(dumps)])
+        return out
+
+
+class GatheredProbe:
+    """An instrumented layer at real P behind dump_row: forward as the layer's, last_dump every rank's records
+    (gathered, concatenated) with a ``rank`` array."""
+
+    def __init__(self, layer, ranks):
+        self.layer, self.ranks = layer, ranks
+
+    def forward(self, x, idx, wts, schedule=None):
+        return self.layer.forward(x, idx, wts, schedule=schedule)
+
+    def last_dump(self) -> dict:
+        """Collective: every rank's records, or the same RuntimeError on every rank where one rank's failed."""
+        import numpy as np
+
+        try:
+            mine = self.layer.last_dump()
+        except Exception as e:  # noqa: BLE001 - sent to every rank, so none waits in the gather alone
+            mine = _reason(e)
+        dumps = self.ranks.gather(mine)
+        bad = [(r, d) for r, d in enumerate(dumps) if isinstance(d, str)]
+        if bad:
+            raise RuntimeError(one_reason(bad, len(dumps)))
+        out = {k: np.concatenate([np.asarray(d[k]) for d in dumps]) for k in dumps[0]}
+        out["rank"] = np.concatenate([np.full(len(np.asarray(next(iter(d.values()), []))), r)
+                                      for r, d in enumerate(dumps)])
         return out
 
 
@@ -383,7 +411,6 @@ def bench(args, group, *, device="cuda", ceilings=None, capture=None, timer=None
 
 def new_result(args, command: str, ceilings: dict, api, fp8_why) -> dict:
     """A run's result before its rows (what _write writes beside them)."""
-    from benchmarks.megamoe_ep import ranks_record
     from benchmarks.moe_nccl import RECIPE
 
     modes = getattr(args, "rank_modes", None) or {w: "one GPU" if w == 1 else "emulated" for w in args.world}
@@ -561,6 +588,19 @@ def _write_dump(path: str, dumps: dict, entries: list, command: str, extra: dict
                    "entries": entries}, f, indent=1)
 
 
+def load_dump(path: str) -> tuple[dict, list]:
+    """The arrays and entries of a --dump the phase before wrote (none: empty), to continue it."""
+    import numpy as np
+
+    npz, header = _dump_paths(path)
+    if not (os.path.exists(npz) and os.path.exists(header)):
+        return {}, []
+    with np.load(npz) as z:
+        arrays = {k: z[k] for k in z.files}
+    with open(header) as f:
+        return arrays, json.load(f)["entries"]
+
+
 def _argv() -> list[str]:
     argv = sys.argv[1:]
     return argv[2:] if argv[:2] == ["bench", "megamoe"] else argv  # through ``xstage``: already named
@@ -575,7 +615,6 @@ METHOD = ("each column's first call eager (checked against megamoe.reference), t
 
 
 def _write(result: dict, args) -> None:
-    from benchmarks.megamoe_ep import METHOD as METHOD_REAL
     from cute_kernels.runtime import provenance
 
     out = {"provenance": provenance(result["command"]), "method": METHOD,
@@ -647,29 +686,6 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def run(args) -> int:
-    if getattr(args, "matrix", False):
-        raise UsageError("--matrix has its own options: run it as xstage bench megamoe --matrix ...")
-    if args.replays < 1 or args.calls_per_graph < 1:
-        raise UsageError("--replays and --calls-per-graph must be at least 1")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UsageError("bench megamoe needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from benchmarks import megamoe_ep
-
-    args.gpus = torch.cuda.device_count()
-    args.rank_modes = megamoe_ep.rank_modes(args.ranks, args.world, args.gpus)
-    print("ranks: " + ", ".join(f"world {w} {m}" for w, m in args.rank_modes.items()), flush=True)
-    if "real" in args.rank_modes.values():
-        megamoe_ep.run_bench(args)
-    else:
-        with local_group(args.tmp) as group:
-            bench(args, group)
-    print(f"wrote {args.out}", flush=True)
-    return 0
-
-
 def local_group(tmp: str, backend: str = "nccl"):
     """The one-rank process group the timing's barriers and all-reduces run in (file:// rendezvous in tmp)."""
     from cute_kernels.dist import process_group
@@ -678,20 +694,3 @@ def local_group(tmp: str, backend: str = "nccl"):
     if os.path.exists(init_file):
         os.remove(init_file)  # a stale rendezvous file would hang the file:// init
     return process_group(0, 1, init_file, backend=backend)
-
-
-def main(argv=None) -> int:
-    """``python -m benchmarks.megamoe`` (the same as ``xstage bench megamoe``)."""
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--matrix" in argv:
-        from benchmarks import megamoe_matrix
-
-        return megamoe_matrix.main(argv)
-    from benchmarks.entry import module_main
-
-    return module_main("xstage bench megamoe", __doc__.splitlines()[0], add_arguments, run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

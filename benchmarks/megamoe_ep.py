@@ -29,153 +29,9 @@ import json
 import os
 import time
 
-from calibrate.cli import UsageError
-
-RANKS = ("emulated", "real")
-ONE_GPU = "one GPU"
-METHOD = ("world P with ranks real: P processes, one GPU each, one NCCL group; each rank's T tokens are its slice "
-          "of the emulated row's P*T (same seed); ours MegaMoE(group) over symmetric memory; unfused_nccl_* as "
-          "benchmarks.moe_nccl (split sizes exchanged once per row, untimed; nccl_splits_exchange_us is that "
-          "exchange alone, eager, host wall clock, rank max, median); every round barrier- and device-aligned, its "
-          "time the max over ranks; errors the max over ranks, each rank against the reference on its tokens; "
-          "roofline per rank (its experts' rows and touched weights, its x and y; NVLink not counted), the "
-          "slowest rank's")
-
-
-# --- the rank mode -------------------------------------------------------------------------------------------
-
-def add_ranks_argument(p) -> None:
-    p.add_argument("--ranks", choices=RANKS, default=None,
-                   help="world > 1 as P ranks emulated on one GPU, or as P real ranks, one GPU each (P processes, "
-                        "NCCL); default: real where torch.cuda.device_count() >= the world, else emulated")
-
-
-def rank_modes(requested: str | None, worlds, gpus: int, check: bool = True) -> dict:
-    """{world: "one GPU" | "emulated" | "real"}: ``requested`` (None: real where ``gpus`` >= the world, else
-    emulated). ``check``: a real world with fewer GPUs visible is a UsageError (False: --plan, no GPU needed)."""
-    if requested not in (None, *RANKS):
-        raise UsageError(f"--ranks must be one of {', '.join(RANKS)}, got {requested!r}")
-    out = {}
-    for w in worlds:
-        if w == 1:
-            out[w] = ONE_GPU
-        elif requested is None:
-            out[w] = "real" if gpus >= w else "emulated"
-        else:
-            if requested == "real" and check and gpus < w:
-                raise UsageError(f"--ranks real --world {w} needs {w} GPUs, {gpus} visible (--ranks emulated runs "
-                                 "it on one)")
-            out[w] = requested
-    return out
-
-
-def ranks_record(requested: str | None, modes: dict, gpus: int | None) -> dict:
-    """What the JSON says about the rank mode."""
-    rule = (f"--ranks {requested}" if requested else
-            f"default: real where torch.cuda.device_count() ({gpus}) >= the world, else emulated")
-    return {"ranks": requested or "auto", "ranks_rule": rule, "ranks_by_world": {str(w): m for w, m in modes.items()}}
-
-
-# --- agreement across ranks ----------------------------------------------------------------------------------
-
-class Ranks:
-    """This rank's place in ``group`` and the collectives that keep every rank's decisions alike."""
-
-    def __init__(self, group, device):
-        import torch.distributed as dist
-
-        self.group, self.device = group, device
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-
-    @property
-    def writer(self) -> bool:
-        return self.rank == 0
-
-    def agree(self, ok: bool) -> bool:
-        """True where ``ok`` holds on every rank."""
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor([0 if ok else 1], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return int(t.item()) == 0
-
-    def gather(self, obj) -> list:
-        import torch.distributed as dist
-
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def agreed_layers(self, layers: dict) -> dict:
-        """build_ours' {dtype: layer or reason}, alike on every rank: one not built on some rank is skipped on
-        every rank, with that rank's reason."""
-        whys = self.gather({d: (v if isinstance(v, str) else None) for d, v in layers.items()})
-        out = {}
-        for d, v in layers.items():
-            bad = [(r, w[d]) for r, w in enumerate(whys) if w.get(d)]
-            out[d] = one_reason(bad, self.world) if bad else v
-        return out
-
-
-def one_reason(pairs: list, world: int) -> str:
-    """The reason of [(rank, reason)]: as it is where every rank gave it, else the first rank's, named."""
-    reasons = {why for _, why in pairs}
-    if len(pairs) == world and len(reasons) == 1:
-        return pairs[0][1]
-    return f"rank {pairs[0][0]}: {pairs[0][1]}"
-
-
-def merge_columns(by_rank: list[dict]) -> dict:
-    """run_columns' columns of every rank -> one: errors the max over ranks (finite on all), a failure with the
-    reason of a rank where it happened (not "failed on another rank"), graph or eager per rank where they differ."""
-    out = {}
-    for name, first in by_rank[0].items():
-        cols = [c[name] for c in by_rank]
-        c = dict(first)
-        if "failed" in c:
-            own = [(r, x["failed"]) for r, x in enumerate(cols) if x.get("failed") not in (None, OTHER_RANK)]
-            c = {"failed": one_reason(own, len(cols)) if own else c["failed"]}
-        if "error" in c:
-            errs = [x["error"] for x in cols if "error" in x]
-            e = dict(errs[0])
-            for key in ("max_abs", "max_rel"):
-                vals = [x.get(key) for x in errs if x.get(key) is not None]
-                if key in e:
-                    e[key] = max(vals) if vals else None
-            e["finite"] = all(x.get("finite", True) for x in errs)
-            e["over"] = f"max over {len(cols)} ranks, each against the reference on its tokens"
-            c["error"] = e
-        timings = [x.get("timing") for x in cols]
-        if "timing" in c and len(set(timings)) > 1:
-            c["timing"] = timings
-        out[name] = c
-    return out
-
-
-OTHER_RANK = "failed on another rank"
-
+from benchmarks.megamoe_ranks import Ranks, ep_stats, merge_columns
 
 # --- what a real row records -------------------------------------------------------------------------------------
-
-def ep_stats(topk_idx_all, num_experts: int, world: int) -> dict:
-    """Per-rank routing of the P*T stacked tokens (rank j's are rows [jT, (j+1)T)): rows each rank's experts
-    receive, experts touched per rank, and dispatch_rows[j][d], the rows rank j sends to rank d (d = j: stays)."""
-    import torch
-
-    from megamoe.reference import expert_counts
-
-    local = num_experts // world
-    flat = topk_idx_all.reshape(world, -1).long()
-    dest = torch.where(flat >= 0, torch.div(flat, local, rounding_mode="floor"), world)
-    dispatch = [[int((dest[j] == d).sum()) for d in range(world)] for j in range(world)]
-    counts = expert_counts(topk_idx_all, num_experts).view(world, local)
-    total = sum(map(sum, dispatch))
-    remote = total - sum(dispatch[j][j] for j in range(world))
-    return {"tokens_by_rank": [flat.shape[1] // topk_idx_all.shape[1]] * world,
-            "rows_by_rank": counts.sum(1).tolist(), "experts_touched_by_rank": (counts > 0).sum(1).tolist(),
-            "dispatch_rows": dispatch, "remote_fraction": remote / total if total else 0.0}
-
 
 def rank_roofline(preset, tokens: int, stats: dict, dtype: str, ceilings: dict) -> dict:
     """The per-rank roofline (module docstring): the slowest rank's terms, with every rank's seconds."""
@@ -215,36 +71,6 @@ def exchange_seconds(fn, trials: int, group, device) -> list[float]:
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
-
-
-class GatheredProbe:
-    """An instrumented layer at real P behind dump_row: forward as the layer's, last_dump every rank's records
-    (gathered, concatenated) with a ``rank`` array."""
-
-    def __init__(self, layer, ranks: Ranks):
-        self.layer, self.ranks = layer, ranks
-
-    def forward(self, x, idx, wts, schedule=None):
-        return self.layer.forward(x, idx, wts, schedule=schedule)
-
-    def last_dump(self) -> dict:
-        """Collective: every rank's records, or the same RuntimeError on every rank where one rank's failed."""
-        import numpy as np
-
-        from benchmarks import megamoe as mb
-
-        try:
-            mine = self.layer.last_dump()
-        except Exception as e:  # noqa: BLE001 - sent to every rank, so none waits in the gather alone
-            mine = mb._reason(e)
-        dumps = self.ranks.gather(mine)
-        bad = [(r, d) for r, d in enumerate(dumps) if isinstance(d, str)]
-        if bad:
-            raise RuntimeError(one_reason(bad, len(dumps)))
-        out = {k: np.concatenate([np.asarray(d[k]) for d in dumps]) for k in dumps[0]}
-        out["rank"] = np.concatenate([np.full(len(np.asarray(next(iter(d.values()), []))), r)
-                                      for r, d in enumerate(dumps)])
-        return out
 
 
 # --- the bench at real P ------------------------------------------------------------------------------------------
@@ -287,21 +113,6 @@ def _bench_worker(rank, world, init_file, args, prior, command, hooks):
         bench_rank(args, group, prior=prior, command=command, **hooks.get("rank", {}))
 
 
-def load_dump(path: str) -> tuple[dict, list]:
-    """The arrays and entries of a --dump the phase before wrote (none: empty), to continue it."""
-    import numpy as np
-
-    from benchmarks import megamoe as mb
-
-    npz, header = mb._dump_paths(path)
-    if not (os.path.exists(npz) and os.path.exists(header)):
-        return {}, []
-    with np.load(npz) as z:
-        arrays = {k: z[k] for k in z.files}
-    with open(header) as f:
-        return arrays, json.load(f)["entries"]
-
-
 def bench_rank(args, group, *, prior=None, command=None, device=None, ceilings=None, capture=None, timer=None,
                api=None, exchange=None) -> dict:
     """Every row of ``args`` at real P = the group's size, on this rank; rank 0 writes args.out after every
@@ -335,7 +146,7 @@ def bench_rank(args, group, *, prior=None, command=None, device=None, ceilings=N
         result = mb.new_result(args, command, ctx.ceilings, api, ctx.fp8_why)
     result["ceilings_by_world"] = {**result.get("ceilings_by_world", {}), str(ranks.world): ctx.ceilings}
     ours_dtypes = [d for d in mb.DTYPES if any(f"ours_{d}_{s}" in args.columns for s in mb.SCHEDULES)]
-    ctx.dumps, ctx.dump_entries = load_dump(args.dump) if prior and args.dump and ranks.writer else ({}, [])
+    ctx.dumps, ctx.dump_entries = mb.load_dump(args.dump) if prior and args.dump and ranks.writer else ({}, [])
     try:
         for preset in args.shapes:
             w1, w2 = mb.make_weights(preset, mb.row_seed(args.seed, preset.name, "weights"), device)
@@ -347,7 +158,7 @@ def bench_rank(args, group, *, prior=None, command=None, device=None, ceilings=N
                 if args.dump:
                     built = ranks.agreed_layers(mb.build_ours(api, group, preset, ranks.world, tokens, w1, w2,
                                                               ours_dtypes, instrument=True, real=True))
-                    probes = {d: v if isinstance(v, str) else GatheredProbe(v, ranks) for d, v in built.items()}
+                    probes = {d: v if isinstance(v, str) else mb.GatheredProbe(v, ranks) for d, v in built.items()}
                 for routing in args.routing:
                     row = measure_row(ctx, preset, tokens, routing, (w1, w2), nccl, ours, probes,
                                       len(result["rows"]))

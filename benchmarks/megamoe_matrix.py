@@ -37,7 +37,7 @@ schedule, FILE.npz + FILE.json as bench megamoe --dump writes them, read by benc
 Time on one H200 (--plan, at bf16 rates, which bound the quantized kernels from above): the default matrix is
 168 configurations, ~3 min of device work per precision plus ~45 s start-up: one 10-minute device call for
 bf16 and w8a8, two for all three: --max-minutes 8.5, then --resume the same file (w4a8 alone at f3649cd: its 56
-configurations in 4.6 minutes).
+configurations in 4.6 minutes). The command's runner: benchmarks/megamoe_cli.py.
 """
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ import time
 from dataclasses import dataclass
 
 from benchmarks import megamoe as mb
-from benchmarks.megamoe_ep import ranks_record
+from benchmarks.megamoe_matrix_dump import MatrixDump
 from benchmarks.megamoe_matrix_report import (GROUPS, MODELS, PRECISIONS, markdown, plot,  # noqa: F401 - re-exported
                                               speedup_stats, summarize, write_json, write_markdown)
+from benchmarks.megamoe_ranks import add_ranks_argument, ep_stats, merge_columns, ranks_record
 from calibrate.cli import UsageError
 
 SCHEDULES = mb.SCHEDULES  # ("wave", "interleaved"): the two timed columns
@@ -88,8 +89,6 @@ def add_arguments(p) -> None:
     p.add_argument("--world", type=lambda t: mb._comma_list(t, "world size", WORLDS, int), default=[1, 2],
                    metavar="LIST", help="ranks, comma-separated; P > 1 emulated on the one GPU or real (--ranks); "
                                         "default 1,2")
-    from benchmarks.megamoe_ep import add_ranks_argument
-
     add_ranks_argument(p)
     p.add_argument("--trials", type=int, default=20, help="timed trials per configuration (default 20)")
     p.add_argument("--calls-per-graph", type=int, default=2, help="calls per captured graph (default 2)")
@@ -268,7 +267,7 @@ def describe(cfg: Config) -> dict:
 def config_inputs(ctx, cfg: Config) -> tuple:
     """(x, topk_idx, topk_weights, seed, routing stats) of a configuration: the seeds of bench megamoe's rows
     (the same x and routing for every precision); at real ranks (ctx.ranks) this rank's slice of the P*T
-    tokens, the per-rank routing in the stats (benchmarks.megamoe_ep.ep_stats)."""
+    tokens, the per-rank routing in the stats (benchmarks.megamoe_ranks.ep_stats)."""
     import torch
 
     from megamoe.reference import make_routing, routing_stats
@@ -282,8 +281,6 @@ def config_inputs(ctx, cfg: Config) -> tuple:
     stats = routing_stats(idx, p.num_experts)
     ranks = ctx.ranks if cfg.real else None
     if ranks is not None:
-        from benchmarks.megamoe_ep import ep_stats
-
         stats.update(ep_stats(idx, p.num_experts, cfg.world))
         mine = slice(ranks.rank * cfg.tokens, (ranks.rank + 1) * cfg.tokens)
         x, idx, wts = (a[mine].clone() for a in (x, idx, wts))
@@ -326,8 +323,6 @@ def measure_config(ctx, cfg: Config, layer, w1, w2, index: int) -> dict:
     cols, times = mb.run_columns(calls, reference, capture, lambda live: ctx.timer(live, index),
                                  agree=ranks.agree if ranks is not None else None)
     if ranks is not None:
-        from benchmarks.megamoe_ep import merge_columns
-
         cols = merge_columns(ranks.gather(cols))
     if settled and "auto" in cols:
         cols["auto"].update(settled)
@@ -380,7 +375,7 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
     (benchmarks.megamoe_ep.run_matrix): ``worlds``, the worlds this call runs (the others' entries are kept);
     ``start``, the run's clock at its start (--max-minutes counts from it); ``phase``, the result the phase
     before wrote (its entries and runs continue; --resume was read by the first phase); ``ranks``, this
-    rank's megamoe_ep.Ranks at real P (every rank decides alike; rank 0 writes)."""
+    rank's megamoe_ranks.Ranks at real P (every rank decides alike; rank 0 writes)."""
     from types import SimpleNamespace
 
     import torch
@@ -430,9 +425,8 @@ def run_matrix(args, group, *, device="cuda", capture=None, timer=None, api=None
 
     dumper = None
     if getattr(args, "dump", None):
-        from benchmarks.megamoe_matrix_dump import MatrixDump
-
-        dumper = MatrixDump(args.dump, writer, resume=phase is not None or bool(args.resume))
+        dumper = MatrixDump(args.dump, writer, resume=phase is not None or bool(args.resume), draw=config_inputs,
+                            describe=describe)
 
     def save(final=False):
         if not writer:
@@ -609,61 +603,3 @@ def replot(args) -> int:
     plot(result, args.png)
     print(f"wrote {args.md} and {args.png}", flush=True)
     return 0
-
-
-def run(args) -> int:
-    resolve(args)
-    if args.trials < 1 or args.calls_per_graph < 1:
-        raise UsageError("--trials and --calls-per-graph must be at least 1")
-    if args.replot:
-        return replot(args)
-    from benchmarks import megamoe_ep
-
-    if args.plan:  # no GPU needed: a real world is planned as asked (or as the GPUs visible here would run it)
-        args.gpus = _visible_gpus()
-        args.rank_modes = megamoe_ep.rank_modes(args.ranks, args.world, args.gpus, check=False)
-        p = plan(args)
-        for r in p["configurations"]:
-            print(f"{r['key']:40s} {r['memory_gb']:7.1f} GB  " + (r["skip"] or f"~{r['estimated_s']:.1f} s"))
-        alone = ", ".join(f"{d} alone {p['estimated_s'][d]} s" for d in args.precision)
-        dump = (f"; --dump adds {p['estimated_s']['dump']} s of it (an instrumented layer per layer, an "
-                "instrumented launch per schedule and configuration)" if "dump" in p["estimated_s"] else "")
-        print(f"capacity {p['capacity_gb']:.1f} GB; estimated {p['estimated_s']['all']} s in all ({alone}; start-up "
-              f"{EST['startup_s']:g} s included in each; at bf16 rates, an upper bound for w8a8 and w4a8{dump})")
-        return 0
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UsageError("bench megamoe --matrix needs a CUDA GPU (torch.cuda.is_available() is False); "
-                         "--plan and --replot do not")
-    args.gpus = torch.cuda.device_count()
-    args.rank_modes = megamoe_ep.rank_modes(args.ranks, args.world, args.gpus)
-    print("ranks: " + ", ".join(f"world {w} {m}" for w, m in args.rank_modes.items()), flush=True)
-    if "real" in args.rank_modes.values():
-        result = megamoe_ep.run_matrix(args)
-    else:
-        with mb.local_group(args.tmp) as group:
-            result = run_matrix(args, group)
-    print(f"wrote {args.out}, {args.md}, {args.png}: " + ", ".join(
-        f"{n} {v}" for n, v in result["summary"]["counts"].items()), flush=True)
-    return 0
-
-
-def _visible_gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - no torch or no driver: none visible
-        return 0
-
-
-def main(argv=None) -> int:
-    """``python -m benchmarks.megamoe_matrix`` (the same as ``xstage bench megamoe --matrix``)."""
-    from benchmarks.entry import module_main
-
-    return module_main("xstage bench megamoe --matrix", __doc__.splitlines()[0], add_arguments, run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

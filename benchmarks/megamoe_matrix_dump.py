@@ -8,7 +8,7 @@ compile; built after, not beside, so a configuration that fits the matrix's memo
 two copies of DeepSeek-V4-Pro's experts beside the harness's bf16 weights do not fit one H200), and per measured
 configuration its seeded inputs drawn again (the same x and routing as its trials) and one instrumented launch
 per schedule, each followed by the layer's last_dump(). At real ranks every rank launches on its own slice and
-the records are gathered to rank 0 (benchmarks.megamoe_ep.GatheredProbe: concatenated, a ``rank`` array tags
+the records are gathered to rank 0 (benchmarks.megamoe.GatheredProbe: concatenated, a ``rank`` array tags
 each record with its rank); emulated ranks come tagged the same way (benchmarks.megamoe.RankLists).
 
 The file is bench megamoe --dump's (benchmarks.megamoe.store_dump and _write_dump): FILE.npz holds
@@ -30,13 +30,14 @@ METHOD = ("per layer after its timed configurations: the timed layer freed, Mega
 
 class MatrixDump:
     """The dump a matrix run builds (module docstring). ``writer``: this process writes the file (rank 0);
-    ``resume``: continue the dump already at ``path``, if there is one."""
+    ``resume``: continue the dump already at ``path``, if there is one; ``draw(ctx, cfg)`` and ``describe(cfg)``:
+    the matrix's seeded inputs of a configuration and its entry's description (benchmarks.megamoe_matrix's
+    config_inputs and describe, handed down: the matrix imports this module)."""
 
-    def __init__(self, path: str, writer: bool, resume: bool = False):
-        from benchmarks.megamoe_ep import load_dump
-
+    def __init__(self, path: str, writer: bool, resume: bool = False, *, draw, describe):
         self.path, self.writer = path, writer
-        self.dumps, self.entries = load_dump(path) if resume and writer else ({}, [])
+        self.draw, self.describe = draw, describe
+        self.dumps, self.entries = mb.load_dump(path) if resume and writer else ({}, [])
 
     def dump_layer(self, ctx, api, group, measured: list, w1, w2, entries: dict) -> None:
         """The instrumented layer of ``measured`` [(Config, index)] (one layer's configurations), one launch per
@@ -49,9 +50,7 @@ class MatrixDump:
         probe = (ctx.ranks.agreed_layers(built) if cfg.real else built)[cfg.precision]
         del built
         if cfg.real and not isinstance(probe, str):
-            from benchmarks.megamoe_ep import GatheredProbe
-
-            probe = GatheredProbe(probe, ctx.ranks)
+            probe = mb.GatheredProbe(probe, ctx.ranks)
         for c, index in measured:
             entries[c.key]["dump"] = self.dump_config(ctx, c, probe, index)
         del probe
@@ -62,16 +61,14 @@ class MatrixDump:
         """One configuration's launches: {schedule: {"key_prefix", "arrays"} or {"skipped"} or {"failed"}}."""
         import torch
 
-        from benchmarks import megamoe_matrix as mx
-
         if isinstance(probe, str):
-            return {s: {"skipped": f"no instrumented layer: {probe}"} for s in mx.SCHEDULES}
-        x, idx, wts, seed, _ = mx.config_inputs(ctx, cfg)
+            return {s: {"skipped": f"no instrumented layer: {probe}"} for s in mb.SCHEDULES}
+        x, idx, wts, seed, _ = self.draw(ctx, cfg)
         ranks = ctx.ranks if cfg.real else None
-        desc = mx.describe(cfg)
+        desc = self.describe(cfg)
         row = self.row_of(cfg.key, index)
         out = {}
-        for s in mx.SCHEDULES:
+        for s in mb.SCHEDULES:
             why = None
             try:
                 probe.forward(x, idx, wts, schedule=s)

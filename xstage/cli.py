@@ -21,11 +21,11 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _forward(prog: str, description: str, module, args) -> int:
-    """Run a subcommand whose options live in ``module`` (add_arguments, run) on the arguments left over."""
+def _forward(prog: str, description: str, add_arguments, run, args) -> int:
+    """Run a subcommand (its options: ``add_arguments(parser)``; ``run(namespace)``) on the arguments left over."""
     parser = Parser(prog=f"{PROG} {prog}", description=description)
-    module.add_arguments(parser)
-    return module.run(parser.parse_args(args.forwarded))
+    add_arguments(parser)
+    return run(parser.parse_args(args.forwarded))
 
 
 def _unavailable(prog: str, exc: ImportError) -> UsageError:
@@ -37,7 +37,8 @@ def _run_calibrate(args) -> int:
         import calibrate.run as calibrate_run
     except ImportError as exc:
         raise _unavailable("calibrate", exc) from None
-    return _forward("calibrate", "measure T_iss0, R and Q on this machine", calibrate_run, args)
+    return _forward("calibrate", "measure T_iss0, R and Q on this machine", calibrate_run.add_arguments,
+                    calibrate_run.run, args)
 
 
 def _run_bench_flash_a2a(args) -> int:
@@ -45,19 +46,22 @@ def _run_bench_flash_a2a(args) -> int:
         import benchmarks.flash_a2a_bench as flash_a2a_bench
     except ImportError as exc:
         raise _unavailable("bench flash-a2a", exc) from None
-    return _forward("bench flash-a2a", "FlashAttention + Ulysses A2A benchmark (GPUs)", flash_a2a_bench, args)
+    return _forward("bench flash-a2a", "FlashAttention + Ulysses A2A benchmark (GPUs)",
+                    flash_a2a_bench.add_arguments, flash_a2a_bench.run, args)
 
 
 def _run_bench_megamoe(args) -> int:
+    import benchmarks.megamoe_cli as cli
+
     if "--matrix" in args.forwarded:  # its own options (benchmarks/megamoe_matrix.py)
         import benchmarks.megamoe_matrix as matrix
 
         return _forward("bench megamoe --matrix", "MegaMoE wave vs interleaved over the configuration matrix",
-                        matrix, args)
+                        matrix.add_arguments, cli.run_matrix, args)
     import benchmarks.megamoe as megamoe
 
     return _forward("bench megamoe", "MegaMoE against the unfused paths and the roofline (one GPU, emulated or real "
-                    "ranks)", megamoe, args)
+                    "ranks)", megamoe.add_arguments, cli.run_bench, args)
 
 
 def _add_calibrate_and_bench(subparsers) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from benchmarks import megamoe as mb
 from benchmarks import megamoe_ep as ep
+from benchmarks import megamoe_ranks as rk
 from benchmarks import megamoe_matrix as mx
 from benchmarks import moe_nccl as nc
 from benchmarks.moe_baselines import sort_by_expert
@@ -46,17 +47,17 @@ def _rel(got, ref):
 # --- the rank mode and the flags --------------------------------------------------------------------------------
 
 def test_rank_mode_choice():
-    assert ep.rank_modes(None, [1, 2], 2) == {1: "one GPU", 2: "real"}
-    assert ep.rank_modes(None, [1, 2, 4], 2) == {1: "one GPU", 2: "real", 4: "emulated"}
-    assert ep.rank_modes(None, [2], 1) == {2: "emulated"} == ep.rank_modes("emulated", [2], 8)
-    assert ep.rank_modes("real", [2, 8], 8) == {2: "real", 8: "real"}
+    assert rk.rank_modes(None, [1, 2], 2) == {1: "one GPU", 2: "real"}
+    assert rk.rank_modes(None, [1, 2, 4], 2) == {1: "one GPU", 2: "real", 4: "emulated"}
+    assert rk.rank_modes(None, [2], 1) == {2: "emulated"} == rk.rank_modes("emulated", [2], 8)
+    assert rk.rank_modes("real", [2, 8], 8) == {2: "real", 8: "real"}
     with pytest.raises(UsageError, match="--ranks real --world 4 needs 4 GPUs, 2 visible"):
-        ep.rank_modes("real", [1, 4], 2)
-    assert ep.rank_modes("real", [4], 0, check=False) == {4: "real"}  # --plan
-    rec = ep.ranks_record(None, {1: "one GPU", 2: "real"}, 2)
+        rk.rank_modes("real", [1, 4], 2)
+    assert rk.rank_modes("real", [4], 0, check=False) == {4: "real"}  # --plan
+    rec = rk.ranks_record(None, {1: "one GPU", 2: "real"}, 2)
     assert rec == {"ranks": "auto", "ranks_by_world": {"1": "one GPU", "2": "real"},
                    "ranks_rule": "default: real where torch.cuda.device_count() (2) >= the world, else emulated"}
-    assert ep.ranks_record("emulated", {2: "emulated"}, 2)["ranks_rule"] == "--ranks emulated"
+    assert rk.ranks_record("emulated", {2: "emulated"}, 2)["ranks_rule"] == "--ranks emulated"
 
 
 def test_flags_of_the_bench_and_the_matrix(capsys):
@@ -236,7 +237,7 @@ def test_the_layer_across_two_gloo_ranks(seed, tmp_path):
 
 def test_ep_stats_and_the_per_rank_roofline():
     idx = torch.tensor([[0, 5], [1, -1], [6, 7], [4, 2]])  # 2 ranks x 2 tokens; 8 experts, 4 per rank
-    s = ep.ep_stats(idx, 8, 2)
+    s = rk.ep_stats(idx, 8, 2)
     assert s["dispatch_rows"] == [[2, 1], [1, 3]] and s["rows_by_rank"] == [3, 4] and s["tokens_by_rank"] == [2, 2]
     assert s["experts_touched_by_rank"] == [3, 4] and s["remote_fraction"] == pytest.approx(2 / 7)
     roof = ep.rank_roofline(TINY, 2, s, "bf16", CEILINGS)
@@ -250,11 +251,11 @@ def test_merge_columns_over_ranks():
              "c": {"skipped": "x"}, "d": {"failed": "boom"}}
     rank1 = {"a": {"timing": "eager (E)", "error": err(0.3, None, False), "us": 5.0}, "b": {"failed": "OOM"},
              "c": {"skipped": "x"}, "d": {"failed": "boom"}}
-    m = ep.merge_columns([rank0, rank1])
+    m = rk.merge_columns([rank0, rank1])
     assert m["a"]["error"]["max_abs"] == 0.3 and m["a"]["error"]["max_rel"] == 0.01 and not m["a"]["error"]["finite"]
     assert m["a"]["timing"] == ["graph", "eager (E)"] and m["a"]["us"] == 5.0
     assert m["b"] == {"failed": "rank 1: OOM"} and m["c"] == {"skipped": "x"} and m["d"] == {"failed": "boom"}
-    assert ep.one_reason([(0, "a"), (1, "a")], 2) == "a" and ep.one_reason([(1, "a")], 2) == "rank 1: a"
+    assert rk.one_reason([(0, "a"), (1, "a")], 2) == "a" and rk.one_reason([(1, "a")], 2) == "rank 1: a"
 
 
 def test_run_columns_times_only_what_every_rank_checked():
@@ -328,7 +329,7 @@ def test_whole_bench_run_with_a_real_world(tmp_path, monkeypatch):
     args = p.parse_args(["--out", str(tmp_path / "moe.json"), "--tokens", "24", "--routing", "balanced,one_expert",
                          "--world", "1,2", "--ranks", "real", "--replays", "3", "--tmp", str(tmp_path)])
     args.shapes, args.gpus = [TINY], 2
-    args.rank_modes = ep.rank_modes(args.ranks, args.world, args.gpus)
+    args.rank_modes = rk.rank_modes(args.ranks, args.world, args.gpus)
     ep.run_bench(args, hooks(stub_timer))
     saved = json.loads((tmp_path / "moe.json").read_text())
     assert (tmp_path / "moe.png").read_bytes()[:4] == b"\x89PNG"
@@ -374,7 +375,7 @@ def test_whole_matrix_run_with_a_real_world(tmp_path, monkeypatch):
             "--trials", "2", "--tmp", str(tmp_path)]
     args = mx.resolve(p.parse_args(argv))
     args.shapes, args.gpus = [TINY], 2
-    args.rank_modes = ep.rank_modes(None, args.world, args.gpus)
+    args.rank_modes = rk.rank_modes(None, args.world, args.gpus)
     ep.run_matrix(args, hooks(stub_matrix_timer))
     saved = json.loads((tmp_path / "m.json").read_text())
     assert os.path.exists(tmp_path / "m.png") and "| 2 (real) |" in (tmp_path / "m.md").read_text()
@@ -434,7 +435,7 @@ def test_whole_matrix_run_with_a_real_world_dumps(tmp_path, monkeypatch):
                                     "--world", "1,2", "--trials", "2", "--tmp", str(tmp_path),
                                     "--dump", str(tmp_path / "d")]))
     args.shapes, args.gpus = [TINY], 2
-    args.rank_modes = ep.rank_modes(None, args.world, args.gpus)
+    args.rank_modes = rk.rank_modes(None, args.world, args.gpus)
     h = hooks(stub_matrix_timer)
     for phase in ("local", "rank"):
         h[phase]["api"] = (SimpleNamespace(MegaMoE=InstrumentedMegaMoE), None)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import megamoe as mb
+from benchmarks import megamoe_cli as mcli
 from benchmarks import megamoe_matrix as mx
 from benchmarks.timing import round_order
 from calibrate.cli import UsageError
@@ -328,7 +329,7 @@ def test_replot_rewrites_the_table_and_figure(tmp_path):
     fake_run(tmp_path, "--precision", "bf16,w4a8", "--world", "1")
     (tmp_path / "m.md").unlink()
     (tmp_path / "m.png").unlink()
-    assert mx.main(["--matrix", "--replot", str(tmp_path / "m.json")]) == 0
+    assert mcli.main(["--matrix", "--replot", str(tmp_path / "m.json")]) == 0
     assert (tmp_path / "m.png").read_bytes()[:8] == PNG_MAGIC and "## Configurations" in (tmp_path / "m.md").read_text()
 
 
@@ -472,12 +473,12 @@ def np_load(path):
 def test_no_gpu_is_a_usage_error(capsys):
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present: the run would start")
-    assert mb.main(["--matrix", "--tokens", "8"]) == 2  # python -m benchmarks.megamoe --matrix reaches the matrix
+    assert mcli.main(["--matrix", "--tokens", "8"]) == 2  # python -m benchmarks.megamoe_cli --matrix: the matrix
     assert "--matrix needs a CUDA GPU" in capsys.readouterr().err
     with pytest.raises(UsageError, match="at least 1"):
-        mx.run(parse("--trials", "0"))
+        mcli.run_matrix(parse("--trials", "0"))
     with pytest.raises(UsageError, match="its own options"):
-        mb.run(SimpleNamespace(matrix=True))
+        mcli.run_bench(SimpleNamespace(matrix=True))
 
 
 def test_the_bench_still_takes_its_three_default_shapes():
