@@ -42,9 +42,7 @@ configurations in 4.6 minutes). The command's runner: benchmarks/megamoe_cli.py.
 from __future__ import annotations
 
 import json
-import math
 import os
-import statistics
 import time
 from dataclasses import dataclass
 
