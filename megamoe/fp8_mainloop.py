@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from quack import layout_utils
 
 from megamoe import tile_stream as ts
+from megamoe.epilogue import REC_FIELDS, REC_STAGING_WAIT
 from megamoe.phases import WG_THREADS, NamedBarrierMoE
 
 BLOCK_M = 128
@@ -87,13 +89,16 @@ class Fp8MainloopMixin:
 
     @cute.jit
     def fp8_blocks(self, G: cutlass.Constexpr, split: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state,
-                   kb0, arow, stage_scales, cur, t_data, dq):
+                   kb0, arow, stage_scales, cur, dq, turn=None):
         """K blocks [kb0, kb0 + G) of a tile as G * ``split`` units, alternating between the two
         accumulators ``blks``, each promoted while the next unit's WGMMA runs. Each block's scales are read into
         ``cur`` from its stage (waited for by the unit issued before) ahead of its first promotion. Every WGMMA
         issued here retires here. W4A8 (``dq``): each block's B is converted to e4m3 once it arrived, right before
-        its first WGMMA (megamoe.w4a8_dequant), under the previous unit's WGMMA. Returns the pipeline state after
-        the G blocks and (instrument) when block 0 arrived."""
+        its first WGMMA (megamoe.w4a8_dequant), under the previous unit's WGMMA. ``turn`` (a tile's first group
+        only): (fn, args), called once the first two units are issued, while their WGMMAs run into ``blks``; it
+        takes ``acc`` (the previous tile's product, staged by it) and returns what the caller wants back; then
+        ``acc`` is zeroed. Returns the pipeline state after the G blocks, (instrument) when block 0 arrived, and
+        ``turn``'s result (None without one)."""
         per = cute.size(tCrA, mode=[2]) // split  # k32 steps per unit
         n_units = G * split
         states = [state]  # the G blocks' pipeline stages
@@ -111,11 +116,13 @@ class Fp8MainloopMixin:
             self.wgmma_k(mma, blks[u % 2], tCrA, tCrB, states[g].index, h * per, (h + 1) * per)
 
         issue(0)
-        if const_expr(self.instrument):
-            if kb0 == 0:
-                t_data = cute.arch.globaltimer()
         if const_expr(n_units > 1):
             issue(1)
+        out = None
+        if const_expr(turn is not None):
+            fn, args = turn
+            out = fn(*args)
+            acc.fill(0.0)
         for u in cutlass.range_constexpr(n_units):
             g, h = u // split, u % split
             if const_expr(h == 0):  # block g's stage was waited for when its first unit was issued
@@ -129,35 +136,43 @@ class Fp8MainloopMixin:
             self.promote(acc, blks[u % 2], cur[h], cur[2][0], cur[2][1])
             if const_expr(u + 2 < n_units):
                 issue(u + 2)
-        return states[G], t_data
+        return states[G], out
 
     @cute.jit
     def fp8_k_loop(self, n_kb: cutlass.Constexpr, split: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state,
-                   arow, stage_scales, cur, t_data, dq):
-        """A tile's ``n_kb`` K blocks: FP8_GROUP blocks per loop iteration, the rest one at a time. W4A8 takes the
-        largest group up to FP8_GROUP that divides ``n_kb`` (DiT-MoE's 9 L1 blocks: 3 x 3), so there is no
-        one-block loop: with one, ptxas spilled a register there."""
+                   arow, stage_scales, cur, dq, turn):
+        """A tile's ``n_kb`` K blocks: its first group straight-line with ``turn`` under its first WGMMAs
+        (``fp8_blocks``), then FP8_GROUP blocks per loop iteration, the rest one at a time. W4A8 takes the largest
+        group up to FP8_GROUP that divides ``n_kb`` (DiT-MoE's 9 L1 blocks: 3 x 3), so there is no one-block
+        loop: with one, ptxas spilled a register there."""
         group = FP8_GROUP
         if const_expr(dq is not None):
             group = max(g for g in range(1, FP8_GROUP + 1) if n_kb % g == 0)
-        kb = Int32(0)
-        for _ in cutlass.range(n_kb // group, unroll=1):
-            state, t_data = self.fp8_blocks(group, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, arow,
-                                            stage_scales, cur, t_data, dq)
-            kb = kb + group
-        if const_expr(n_kb % group):
-            for _ in cutlass.range(n_kb % group, unroll=1):
-                state, t_data = self.fp8_blocks(1, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, arow,
-                                                stage_scales, cur, t_data, dq)
+        first = min(group, n_kb)
+        state, out = self.fp8_blocks(first, split, mma, acc, blks, tCrA, tCrB, pipe, state, Int32(0), arow,
+                                     stage_scales, cur, dq, turn)
+        kb = Int32(first)
+        rest = n_kb - first
+        if const_expr(rest >= group):
+            for _ in cutlass.range(rest // group, unroll=1):
+                state, _ = self.fp8_blocks(group, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, arow,
+                                           stage_scales, cur, dq)
+                kb = kb + group
+        if const_expr(rest % group):
+            for _ in cutlass.range(rest % group, unroll=1):
+                state, _ = self.fp8_blocks(1, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, arow,
+                                           stage_scales, cur, dq)
                 kb = kb + 1
-        return state, t_data
+        return state, out
 
     @cute.jit
-    def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, rows_c, stage_scales, dq):
+    def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, rows_c, stage_scales, dq, turn,
+                          out):
         """acc = the tile's fp32 product over its 128-wide K blocks (L1: ``k1`` blocks in whole-block units; L2:
         ``k2`` blocks in half-block units), the scales from each stage (``stage_scales``: the activation and the
-        weight scales' shared-memory stages). Returns the pipeline state and (instrument) when the first K block
-        had arrived."""
+        weight scales' shared-memory stages). ``turn`` runs under the tile's first WGMMAs (``fp8_blocks``) and
+        ``out`` is the shape of its result. Returns the pipeline state, (instrument) when the first K block had
+        arrived, and ``turn``'s result."""
         for r in cutlass.range_constexpr(cute.size(arow)):
             arow[r] = rows_c[r, 0][0]  # this thread's rows within the tile
         rows = cute.size(arow)
@@ -165,14 +180,111 @@ class Fp8MainloopMixin:
         cur = (cute.make_rmem_tensor(cute.make_layout(rows), Float32),
                cute.make_rmem_tensor(cute.make_layout(rows), Float32),
                cute.make_rmem_tensor(cute.make_layout(2), Float32))
-        acc.fill(0.0)
-        t_data = Int64(0)
         # L2: the intermediate's scales were stored by other CTAs' L1 epilogues before their release on
         # l1_done[p]; the producer acquired that counter and fenced the async proxy before this tile's TMA loads
         if kind == ts.KIND_L1:
-            state, t_data = self.fp8_k_loop(self.k1, 1, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
-                                            cur, t_data, dq)
+            state, out = self.fp8_k_loop(self.k1, 1, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
+                                         cur, dq, turn)
         else:
-            state, t_data = self.fp8_k_loop(self.k2, 2, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
-                                            cur, t_data, dq)
-        return state, t_data
+            state, out = self.fp8_k_loop(self.k2, 2, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
+                                         cur, dq, turn)
+        return state, out
+
+    # ---------------------------------------------------------------- the FP8 walk: epilogues under WGMMAs
+    @cute.jit
+    def walk_fp8(self, records, rec_cap, acc, blks, tCrA, tCrB, mma, pipe, stage_scales, dq, arow, rows_c, epi, walk,
+                 s_ntok, wg, tidx):
+        """An FP8 MMA warpgroup's tiles. A tile's epilogue (``stage_fp8``) runs under the next tile's first two
+        WGMMA units, as does the walk's step to the tile after (``turn_tile``): between two mainloops the Tensor
+        Cores wait only for the next tile's first K block. ``acc`` holds a tile's product until then; the WGMMAs
+        in flight fill ``blks``. (Before, the epilogue, the walk and the router-weight loads sat between the
+        mainloops: 1.2-2.1 µs per tile, 17-27% of a W8A8 mainloop, ``megamoe_dump_stall_22d9568.json``.)"""
+        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
+        E = self.num_local_experts
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        cursor = ts.initial_cursor(order, bidx)
+        found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
+                                                    grid, self.n1, self.n2, E)
+        j = Int32(0)  # the tile's place in the CTA's stream
+        pk, pp, pn, pj = Int32(0), Int32(0), Int32(0), Int32(0)  # the tile whose rows wait in acc (kind 0: none)
+        while found != 0:
+            m = p - s_row_off[e]
+            if const_expr(self.instrument):  # each field stored once known: nothing held across the mainloop (the
+                # record indices in Int32, fewer registers: the host keeps the records below 2^31 words)
+                t_entry = cute.arch.globaltimer()
+                if tidx == 0:
+                    if j < rec_cap:
+                        base_r = (bidx * rec_cap + j) * REC_FIELDS
+                        records[base_r] = (Int64(kind) << 56) | (Int64(e) << 40) | (Int64(m) << 20) | Int64(n)
+                        records[base_r + 1] = Int64(cute.arch.smid())
+                        records[base_r + 2] = t_entry
+            active = Int32(0)
+            if s_ntok[e] - m * BLOCK_M > wg * (BLOCK_M // 2):
+                active = Int32(1)
+            # the previous tile's rows go first where this tile's data may wait for them: the producer holds an
+            # L2 tile until its row's L1 tiles are published (l1_done), the previous L1 tile among them perhaps,
+            # or another CTA's, staged behind its own wait (a cycle); a warpgroup that drains has no WGMMA to hide
+            # them under
+            if pk != 0:
+                if (active == 0) | ((pk == ts.KIND_L1) & (kind == ts.KIND_L2)):
+                    self.stage_fp8(pk, pp, pn, pj, epi, records, rec_cap, bidx, wg, tidx, s_ntok)
+                    pk = Int32(0)
+            walk_args = (order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid, self.n1, self.n2, E)
+            nxt = (found, kind, p, n, e, cursor)
+            if active != 0:
+                turn = (self.turn_tile, ((pk, pp, pn, pj), epi, records, rec_cap, bidx, wg, tidx, s_ntok, walk_args,
+                                         j))
+                state, nxt = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow,
+                                                            rows_c, stage_scales, dq, turn, nxt)
+            else:
+                # none of this warpgroup's 64 rows is a token (an expert's last tile holds at most 64): it skips
+                # the WGMMAs and their promotions, so the other warpgroup has the Tensor Cores and the issue slots
+                # to itself; that warpgroup's rows get a full tile's arithmetic, so a token's row comes out the
+                # same bits whichever tile the atomic slot order puts it in (W8A8 5-11% faster, docs/FINDINGS.md)
+                nxt = ts.next_tile(*walk_args)
+                n_kb = Int32(self.k1)
+                if kind == ts.KIND_L2:
+                    n_kb = Int32(self.k2)
+                state = self.drain(pipe, state, n_kb, dq)
+            if const_expr(self.instrument):
+                t_mma = cute.arch.globaltimer()
+                if tidx == 0:
+                    if j < rec_cap:
+                        base_r = (bidx * rec_cap + j) * REC_FIELDS
+                        records[base_r + 4] = t_mma
+            pk, pp, pn, pj = kind, p, n, j
+            j = j + 1
+            found, kind, p, n, e, cursor = nxt
+        if pk != 0:
+            self.stage_fp8(pk, pp, pn, pj, epi, records, rec_cap, bidx, wg, tidx, s_ntok)
+
+    @cute.jit
+    def turn_tile(self, prev, epi, records, rec_cap, bidx, wg, tidx, s_ntok, walk_args, j):
+        """Under tile ``j``'s first WGMMAs: (instrument) its record's ``t_data``, now that its first two units are
+        issued (their blocks arrived: the MMA side's wait at tile entry), the previous tile's epilogue if it still
+        waits, then the walk's next tile."""
+        if const_expr(self.instrument):
+            if tidx == 0:
+                if j < rec_cap:
+                    records[(bidx * rec_cap + j) * REC_FIELDS + 3] = cute.arch.globaltimer()
+        pk, pp, pn, pj = prev
+        if pk != 0:
+            self.stage_fp8(pk, pp, pn, pj, epi, records, rec_cap, bidx, wg, tidx, s_ntok)
+        return ts.next_tile(*walk_args)
+
+    @cute.jit
+    def stage_fp8(self, kind, p, n, j, epi, records, rec_cap, bidx, wg, tidx, s_ntok):
+        """Tile ``j``'s epilogue from ``acc`` (megamoe.epilogue: L1 h as e4m3 with its scales, L2 the Combine's
+        bf16 rows) and (instrument) its record's staged time and staging wait."""
+        acc, pool_w, sQ, s_inter, rows_c, staging_c = epi
+        waited = Int64(0)
+        if kind == ts.KIND_L1:
+            waited = self.stage_l1_fp8(acc, pool_w, sQ, s_inter, p, n, rows_c, wg, j, tidx, s_ntok)
+        else:
+            waited = self.stage_l2(acc, staging_c, wg, j, s_ntok)
+        if const_expr(self.instrument):
+            if tidx == 0:
+                if j < rec_cap:
+                    base_r = (bidx * rec_cap + j) * REC_FIELDS
+                    records[base_r + 5] = cute.arch.globaltimer()
+                    records[base_r + REC_STAGING_WAIT] = waited

@@ -490,6 +490,20 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         rows_c = layout_utils.reshape_acc_to_mn(mma.get_slice(tidx).partition_C(
             cute.make_identity_tensor((BLOCK_M, BLOCK_N))))
         wts = cute.make_rmem_tensor(cute.make_layout(cute.size(rows_c, mode=[0])), Float32)  # L1: router weights
+        if const_expr(self.fp8):  # megamoe.fp8_mainloop: each tile's epilogue under the next one's first WGMMAs
+            self.walk_fp8(records, rec_cap, acc, blks, tCrA, tCrB, mma, pipe, stage_scales, dq, arow, rows_c,
+                          (acc, pool_w, sQ, s_inter, rows_c, staging_c), walk, s_ntok, wg, tidx)
+        else:
+            self.walk_bf16(pool_w, records, rec_cap, acc, acc_h, tCrA, tCrB, mma, pipe, rows_c, wts,
+                           (staging_c, staging_h), walk, s_ntok, wg, tidx)
+
+    @cute.jit
+    def walk_bf16(self, pool_w, records, rec_cap, acc, acc_h, tCrA, tCrB, mma, pipe, rows_c, wts, staging, walk,
+                  s_ntok, wg, tidx):
+        """A bf16 MMA warpgroup's tiles: per tile its mainloop, then its epilogue."""
+        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
+        E = self.num_local_experts
+        staging_c, staging_h = staging
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         cursor = ts.initial_cursor(order, bidx)
         found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
@@ -507,26 +521,18 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
             t_data = Int64(0)
             if s_ntok[e] - m * BLOCK_M > wg * self.wg_rows:
-                if const_expr(self.fp8):
-                    state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow,
-                                                           rows_c, stage_scales, dq)
-                else:
-                    state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
+                state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
             else:
                 # none of this warpgroup's 64 rows is a token (an expert's last tile holds at most 64): it skips
-                # the WGMMAs and their promotions, so the other warpgroup has the Tensor Cores and the issue slots
-                # to itself; that warpgroup's rows get a full tile's arithmetic, so a token's row comes out the
-                # same bits whichever tile the atomic slot order puts it in. W8A8 5-11% faster at 1024 and 8192
-                # tokens, bf16 a tie; two ways to use the idle warpgroup lost (docs/FINDINGS.md, MegaMoE)
-                state = self.drain(pipe, state, n_kb, dq)
+                # the WGMMAs, so the other warpgroup has the Tensor Cores and the issue slots to itself; that
+                # warpgroup's rows get a full tile's arithmetic, so a token's row comes out the same bits whichever
+                # tile the atomic slot order puts it in (bf16 a tie, W8A8 5-11% faster: docs/FINDINGS.md)
+                state = self.drain(pipe, state, n_kb, None)
             if const_expr(self.instrument):
                 t_mma = cute.arch.globaltimer()
             waited = Int64(0)
             if kind == ts.KIND_L1:
-                if const_expr(self.fp8):
-                    waited = self.stage_l1_fp8(acc, wts, sQ, s_inter, p, n, rows_c, wg, j, tidx, s_ntok)
-                else:
-                    waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j, s_ntok)
+                waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j, s_ntok)
             else:
                 waited = self.stage_l2(acc, staging_c, wg, j, s_ntok)
             if const_expr(self.instrument):
