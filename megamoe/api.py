@@ -461,16 +461,23 @@ class MegaMoE:
             return {"launches": None, "prior": prior, "decided": None, "times_us": {}}
         return auto.read_trial(self.trial_slots[slot].tolist(), ts.ORDERS[prior])
 
+    def trial_args(self, mode: int = TRIAL_OWN) -> tuple:
+        """(slot, megamoe.trial mode) the kernel takes for the last resolved order: the auto key's slot in
+        ``mode``, or (an unused row, TRIAL_OFF) where that order was given or its key got no slot."""
+        slot = self.auto_keys[self.auto_key][0] if self.auto_key is not None else None
+        return (self.trial_slots[0], TRIAL_OFF) if slot is None else (self.trial_slots[slot], mode)
+
     def launch(self, x, topk_idx, topk_weights, y, schedule=None, peer_ptrs=None, trial=None):
         """One launch on the current stream (no checks, no allocation: ``forward`` checks). ``trial``: (slot,
-        megamoe.trial mode) for a launch another layer resolved (EmulatedMoE), ``schedule`` then its prior."""
+        megamoe.trial mode) for an auto launch another layer resolved (EmulatedMoE), ``schedule`` then its
+        prior. An auto launch leaves its routing histogram for the next decision."""
         st = self.state
         if trial is None:
             name = self.resolve_schedule(x.shape[0], schedule)
-            slot = self.auto_keys[self.auto_key][0] if self.auto_key is not None else None
-            trial = (self.trial_slots[0], TRIAL_OFF) if slot is None else (self.trial_slots[slot], TRIAL_OWN)
+            auto_launch = self.auto_key is not None
+            trial = self.trial_args()
         else:
-            name = schedule
+            name, auto_launch = schedule, True
         if self.instrument:
             rows = (self.world * self.max_tokens * self.top_k) // 128 + self.num_local
             self.enable_records(2 * (-(-rows * (self.shape.l1_n_blocks + self.shape.l2_n_blocks) // self.grid))
@@ -483,7 +490,7 @@ class MegaMoE:
                     self.w2_shift, self.rank, self.world, self.max_tokens, ts.ORDERS[name], trial[1],
                     self.experts_per_wave(x.shape[0]), self.lead_rows, self.m_group, self.grid, TIMEOUT_NS,
                     self.rec_cap)
-        if (schedule or self.schedule) == "auto" or trial[1] != TRIAL_OFF:
+        if auto_launch:
             self.history.record(x.shape[0])
 
     def forward(self, x, topk_idx, topk_weights, schedule: str | None = None) -> torch.Tensor:
@@ -572,12 +579,7 @@ class EmulatedMoE:
             # into its slot (megamoe.trial) and the other ranks' launches read the same slot
             lead = self.ranks[0]
             schedule = lead.resolve_schedule(max(x.shape[0] for x in xs), "auto", peers=self.ranks)
-            slot = lead.auto_keys[lead.auto_key][0]
-            if slot is not None:
-                trials = [(lead.trial_slots[slot], TRIAL_OWN if r == 0 else TRIAL_READ)
-                          for r in range(len(self.ranks))]
-            else:
-                trials = [(lead.trial_slots[0], TRIAL_OFF)] * len(self.ranks)
+            trials = [lead.trial_args(TRIAL_OWN if r == 0 else TRIAL_READ) for r in range(len(self.ranks))]
         main = torch.cuda.current_stream()
         for m, s, x, i, w, y, t in zip(self.ranks, self.streams, xs, idxs, weights, ys, trials):
             s.wait_stream(main)
