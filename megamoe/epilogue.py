@@ -99,17 +99,23 @@ class StagedEpilogueMixin:
         return self.stage_rows(acc, staging, wg, j, probe)
 
     @cute.jit
-    def stage_l1(self, acc, acc_h, staging, wts, wg, j, probe) -> Int64:
-        """bf16 L1 tile: h = silu(gate) * up * weight in fp32 (gate and up are the tile's columns [0, 64) and
-        [64, 128): this thread holds column c and c + 64), as bf16 rows of 64 into the staging."""
+    def stage_l1(self, acc, acc_h, staging, pool_w, p, rows_c, wg, j, probe) -> Int64:
+        """bf16 L1 tile of row block ``p``: h = silu(gate) * up * weight in fp32 (gate and up are the tile's
+        columns [0, 64) and [64, 128): this thread holds column c and c + 64; its rows' router weights read from
+        ``pool_w`` here, under the SwiGLU), as bf16 rows of 64 into the staging."""
         acc_mn = layout_utils.reshape_acc_to_mn(acc)
         h_mn = layout_utils.reshape_acc_to_mn(acc_h)
         half_cols = cute.size(h_mn, mode=[1])
-        for r in cutlass.range_constexpr(cute.size(h_mn, mode=[0])):
-            w = wts[r]
+        rows = cute.size(h_mn, mode=[0])
+        wts = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
+        for r in cutlass.range_constexpr(rows):
+            wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
+        for r in cutlass.range_constexpr(rows):  # silu(gate) * up, the loads in flight
             for c in cutlass.range_constexpr(half_cols):
-                g = acc_mn[r, c]
-                h_mn[r, c] = self.silu(g) * acc_mn[r, c + half_cols] * w
+                h_mn[r, c] = self.silu(acc_mn[r, c]) * acc_mn[r, c + half_cols]
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(half_cols):
+                h_mn[r, c] = h_mn[r, c] * wts[r]
         return self.stage_rows(acc_h, staging, wg, j, probe)
 
     @cute.jit

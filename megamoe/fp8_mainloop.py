@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from quack import layout_utils
 
 from megamoe import tile_stream as ts
-from megamoe.epilogue import REC_FIELDS, REC_STAGING_WAIT
 from megamoe.phases import WG_THREADS, NamedBarrierMoE
 
 BLOCK_M = 128
@@ -189,102 +187,3 @@ class Fp8MainloopMixin:
             state, out = self.fp8_k_loop(self.k2, 2, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
                                          cur, dq, turn)
         return state, out
-
-    # ---------------------------------------------------------------- the FP8 walk: epilogues under WGMMAs
-    @cute.jit
-    def walk_fp8(self, records, rec_cap, acc, blks, tCrA, tCrB, mma, pipe, stage_scales, dq, arow, rows_c, epi, walk,
-                 s_ntok, wg, tidx):
-        """An FP8 MMA warpgroup's tiles. A tile's epilogue (``stage_fp8``) runs under the next tile's first two
-        WGMMA units, as does the walk's step to the tile after (``turn_tile``): between two mainloops the Tensor
-        Cores wait only for the next tile's first K block. ``acc`` holds a tile's product until then; the WGMMAs
-        in flight fill ``blks``. (Before, the epilogue, the walk and the router-weight loads sat between the
-        mainloops: 1.2-2.1 µs per tile, 17-27% of a W8A8 mainloop, ``megamoe_dump_stall_22d9568.json``.)"""
-        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
-        E = self.num_local_experts
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        cursor = ts.initial_cursor(order, bidx)
-        found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
-                                                    grid, self.n1, self.n2, E)
-        j = Int32(0)  # the tile's place in the CTA's stream
-        pk, pp, pn, pj = Int32(0), Int32(0), Int32(0), Int32(0)  # the tile whose rows wait in acc (kind 0: none)
-        while found != 0:
-            m = p - s_row_off[e]
-            if const_expr(self.instrument):  # each field stored once known: nothing held across the mainloop (the
-                # record indices in Int32, fewer registers: the host keeps the records below 2^31 words)
-                t_entry = cute.arch.globaltimer()
-                if tidx == 0:
-                    if j < rec_cap:
-                        base_r = (bidx * rec_cap + j) * REC_FIELDS
-                        records[base_r] = (Int64(kind) << 56) | (Int64(e) << 40) | (Int64(m) << 20) | Int64(n)
-                        records[base_r + 1] = Int64(cute.arch.smid())
-                        records[base_r + 2] = t_entry
-            active = Int32(0)
-            if s_ntok[e] - m * BLOCK_M > wg * (BLOCK_M // 2):
-                active = Int32(1)
-            # the previous tile's rows go first where this tile's data may wait for them: the producer holds an
-            # L2 tile until its row's L1 tiles are published (l1_done), the previous L1 tile among them perhaps,
-            # or another CTA's, staged behind its own wait (a cycle); a warpgroup that drains has no WGMMA to hide
-            # them under
-            if pk != 0:
-                if (active == 0) | ((pk == ts.KIND_L1) & (kind == ts.KIND_L2)):
-                    self.stage_fp8(pk, pp, pn, pj, epi, records, rec_cap, bidx, wg, tidx, s_ntok)
-                    pk = Int32(0)
-            walk_args = (order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid, self.n1, self.n2, E)
-            nxt = (found, kind, p, n, e, cursor)
-            if active != 0:
-                turn = (self.turn_tile, ((pk, pp, pn, pj), epi, records, rec_cap, bidx, wg, tidx, s_ntok, walk_args,
-                                         j))
-                state, nxt = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow,
-                                                            rows_c, stage_scales, dq, turn, nxt)
-            else:
-                # none of this warpgroup's 64 rows is a token (an expert's last tile holds at most 64): it skips
-                # the WGMMAs and their promotions, so the other warpgroup has the Tensor Cores and the issue slots
-                # to itself; that warpgroup's rows get a full tile's arithmetic, so a token's row comes out the
-                # same bits whichever tile the atomic slot order puts it in (W8A8 5-11% faster, docs/FINDINGS.md)
-                nxt = ts.next_tile(*walk_args)
-                n_kb = Int32(self.k1)
-                if kind == ts.KIND_L2:
-                    n_kb = Int32(self.k2)
-                state = self.drain(pipe, state, n_kb, dq)
-            if const_expr(self.instrument):
-                t_mma = cute.arch.globaltimer()
-                if tidx == 0:
-                    if j < rec_cap:
-                        base_r = (bidx * rec_cap + j) * REC_FIELDS
-                        records[base_r + 4] = t_mma
-            pk, pp, pn, pj = kind, p, n, j
-            j = j + 1
-            found, kind, p, n, e, cursor = nxt
-        if pk != 0:
-            self.stage_fp8(pk, pp, pn, pj, epi, records, rec_cap, bidx, wg, tidx, s_ntok)
-
-    @cute.jit
-    def turn_tile(self, prev, epi, records, rec_cap, bidx, wg, tidx, s_ntok, walk_args, j):
-        """Under tile ``j``'s first WGMMAs: (instrument) its record's ``t_data``, now that its first two units are
-        issued (their blocks arrived: the MMA side's wait at tile entry), the previous tile's epilogue if it still
-        waits, then the walk's next tile."""
-        if const_expr(self.instrument):
-            if tidx == 0:
-                if j < rec_cap:
-                    records[(bidx * rec_cap + j) * REC_FIELDS + 3] = cute.arch.globaltimer()
-        pk, pp, pn, pj = prev
-        if pk != 0:
-            self.stage_fp8(pk, pp, pn, pj, epi, records, rec_cap, bidx, wg, tidx, s_ntok)
-        return ts.next_tile(*walk_args)
-
-    @cute.jit
-    def stage_fp8(self, kind, p, n, j, epi, records, rec_cap, bidx, wg, tidx, s_ntok):
-        """Tile ``j``'s epilogue from ``acc`` (megamoe.epilogue: L1 h as e4m3 with its scales, L2 the Combine's
-        bf16 rows) and (instrument) its record's staged time and staging wait."""
-        acc, pool_w, sQ, s_inter, rows_c, staging_c = epi
-        waited = Int64(0)
-        if kind == ts.KIND_L1:
-            waited = self.stage_l1_fp8(acc, pool_w, sQ, s_inter, p, n, rows_c, wg, j, tidx, s_ntok)
-        else:
-            waited = self.stage_l2(acc, staging_c, wg, j, s_ntok)
-        if const_expr(self.instrument):
-            if tidx == 0:
-                if j < rec_cap:
-                    base_r = (bidx * rec_cap + j) * REC_FIELDS
-                    records[base_r + 5] = cute.arch.globaltimer()
-                    records[base_r + REC_STAGING_WAIT] = waited

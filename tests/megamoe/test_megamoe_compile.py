@@ -46,8 +46,9 @@ def test_kernel_is_wgmma_with_128_bit_stores_and_no_spills(tmp_path, shape, inst
     from cute_kernels.compile import sass
 
     c = _compile(tmp_path, *shape, instrument=instrument)
-    # the mainloop: 4 k16 WGMMAs per 64-wide K block of a 64 x 128 warpgroup tile, peeled first block + loop
-    assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16") == 8
+    # the mainloop: 4 k16 WGMMAs per 64-wide K block of a 64 x 128 warpgroup tile, the first two blocks peeled
+    # (the previous tile's epilogue under them) + loop
+    assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16") == 12
     assert c.ptx_count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global") >= 4  # A and B, L1 and L2
     # Dispatch's pushed rows and y: 128-bit stores; the intermediate and the Combine rows leave the staging by
     # bulk row copies from the store warps (L1 and L2, two rows per lane), which the MMA warpgroups hand over
@@ -61,19 +62,24 @@ def test_kernel_is_wgmma_with_128_bit_stores_and_no_spills(tmp_path, shape, inst
     text = sass(c.cubin)
     if text is None:
         pytest.skip("no nvdisasm on this machine (it comes with triton): cannot read the SASS")
-    assert text.count("HGMMA.64x128x16.F32.BF16") == 8, "WGMMA in the SASS"
+    assert text.count("HGMMA.64x128x16.F32.BF16") == 12, "WGMMA in the SASS"
     # ptxas serializes every WGMMA (a wait after each, warning C7514) when other instructions read an
     # accumulator in flight; then there is one WARPGROUP.DEPBAR per WGMMA instead of one per wait
     assert text.count("WARPGROUP.DEPBAR") < text.count("HGMMA.64x128x16.F32.BF16"), "WGMMA serialized"
+    # a tile's epilogue runs under the next tile's first two K blocks (megamoe.tile_walk; one mainloop serves
+    # both kinds): the L1 epilogue's 32 exponentials a thread (2 rows x 16 gate columns), the stmatrix of the L2
+    # rows (8) and of h (4)
+    ex2, stsm = _epilogue_under_wgmma(text, "HGMMA")
+    assert ex2 >= 32 and stsm >= 8 + 4, f"epilogues not under the next tile's WGMMAs: {ex2} EX2, {stsm} STSM"
     no_spills(c.ptx)
 
 
-def _epilogue_under_wgmma(text: str) -> tuple[int, int]:
-    """(MUFU.EX2, STSM) instructions between a QGMMA issue and the next ``WARPGROUP.DEPBAR``: the L1 epilogue's
-    SwiGLU exponentials and the L2 epilogue's stmatrix rows run while WGMMAs are in flight."""
+def _epilogue_under_wgmma(text: str, wgmma: str = "QGMMA") -> tuple[int, int]:
+    """(MUFU.EX2, STSM) instructions between a ``wgmma`` issue and the next ``WARPGROUP.DEPBAR``: the L1
+    epilogue's SwiGLU exponentials and the epilogues' stmatrix rows run while WGMMAs are in flight."""
     in_flight, ex2, stsm = False, 0, 0
     for line in text.splitlines():
-        if "QGMMA" in line:
+        if wgmma in line:
             in_flight = True
         elif "WARPGROUP.DEPBAR" in line:
             in_flight = False
