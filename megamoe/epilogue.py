@@ -99,50 +99,37 @@ class StagedEpilogueMixin:
         return self.stage_rows(acc, staging, wg, j, probe)
 
     @cute.jit
-    def stage_l1(self, acc, acc_h, staging, pool_w, p, rows_c, wg, j, probe) -> Int64:
-        """bf16 L1 tile of row block ``p``: h = silu(gate) * up * weight in fp32 (gate and up are the tile's
-        columns [0, 64) and [64, 128): this thread holds column c and c + 64; its rows' router weights read from
-        ``pool_w`` here, under the SwiGLU), as bf16 rows of 64 into the staging."""
+    def stage_l1(self, acc, acc_h, staging, wts, wg, j, probe) -> Int64:
+        """bf16 L1 tile: h = silu(gate) * up * weight in fp32 (gate and up are the tile's columns [0, 64) and
+        [64, 128): this thread holds column c and c + 64), as bf16 rows of 64 into the staging."""
         acc_mn = layout_utils.reshape_acc_to_mn(acc)
         h_mn = layout_utils.reshape_acc_to_mn(acc_h)
         half_cols = cute.size(h_mn, mode=[1])
-        rows = cute.size(h_mn, mode=[0])
-        wts = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
-        for r in cutlass.range_constexpr(rows):
-            wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
-        for r in cutlass.range_constexpr(rows):  # silu(gate) * up, the loads in flight
+        for r in cutlass.range_constexpr(cute.size(h_mn, mode=[0])):
+            w = wts[r]
             for c in cutlass.range_constexpr(half_cols):
-                h_mn[r, c] = self.silu(acc_mn[r, c]) * acc_mn[r, c + half_cols]
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(half_cols):
-                h_mn[r, c] = h_mn[r, c] * wts[r]
+                g = acc_mn[r, c]
+                h_mn[r, c] = self.silu(g) * acc_mn[r, c + half_cols] * w
         return self.stage_rows(acc_h, staging, wg, j, probe)
 
     @cute.jit
-    def stage_l1_fp8(self, acc, pool_w, sQ, s_inter, p, n, rows_c, wg, j, tidx, probe) -> Int64:
-        """FP8 L1 tile of row block ``p``: h in fp32 (its rows' router weights read from ``pool_w`` here, under
-        the SwiGLU), per row one 1 x 64 scale (the row's 64 columns are this thread's 16 and its quad's: two
-        shuffles), h / scale as e4m3 into the staging (two adjacent columns per 16-bit write) and the scale
-        straight to ``s_inter`` (published by the store warp's release). h overwrites the gate columns of
-        ``acc``: no registers of its own, as it runs while WGMMAs fill two more accumulators."""
+    def stage_l1_fp8(self, acc, wts, sQ, s_inter, p, n, rows_c, wg, j, tidx, probe) -> Int64:
+        """FP8 L1 tile: h in fp32, per row one 1 x 64 scale (the row's 64 columns are this thread's 16 and its
+        quad's: two shuffles), h / scale as e4m3 into the staging (two adjacent columns per 16-bit write) and
+        the scale straight to ``s_inter`` (published by the store warp's release)."""
         acc_mn = layout_utils.reshape_acc_to_mn(acc)
         half = cute.size(acc_mn, mode=[1]) // 2
         I = self.intermediate
-        rows = cute.size(acc_mn, mode=[0])
-        wts = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
-        for r in cutlass.range_constexpr(rows):
-            wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
+        h = cute.make_rmem_tensor(cute.make_layout(half), Float32)
         pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         atom16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=16)
-        for r in cutlass.range_constexpr(rows):  # silu(gate) * up, the loads in flight
-            for c in cutlass.range_constexpr(half):
-                acc_mn[r, c] = self.silu(acc_mn[r, c]) * acc_mn[r, c + half]
         waited = self.staging_acquire(wg, j, probe)
-        for r in cutlass.range_constexpr(rows):
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             amax = Float32(0.0)
             for c in cutlass.range_constexpr(half):
-                v = acc_mn[r, c] * wts[r]
-                acc_mn[r, c] = v
+                g = acc_mn[r, c]
+                v = self.silu(g) * acc_mn[r, c + half] * wts[r]
+                h[c] = v
                 amax = cute.arch.fmax(amax, cutlass.max(v, -v))
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 2))
@@ -152,7 +139,7 @@ class StagedEpilogueMixin:
             for i in cutlass.range_constexpr(half // 2):
                 col = rows_c[r, 2 * i][1]  # < 64: the tile's intermediate column
                 for k in cutlass.range_constexpr(2):
-                    q = acc_mn[r, 2 * i + k] * inv
+                    q = h[2 * i + k] * inv
                     pair[k] = cutlass.min(cutlass.max(q, Float32(-FP8_MAX)), Float32(FP8_MAX))
                 q8 = cute.make_rmem_tensor(cute.make_layout(2), self.ab_dtype)
                 q8.store(pair.load().to(self.ab_dtype))

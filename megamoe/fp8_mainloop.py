@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from quack import layout_utils
 
@@ -87,16 +87,13 @@ class Fp8MainloopMixin:
 
     @cute.jit
     def fp8_blocks(self, G: cutlass.Constexpr, split: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state,
-                   kb0, arow, stage_scales, cur, dq, turn=None):
+                   kb0, arow, stage_scales, cur, t_data, dq):
         """K blocks [kb0, kb0 + G) of a tile as G * ``split`` units, alternating between the two
         accumulators ``blks``, each promoted while the next unit's WGMMA runs. Each block's scales are read into
         ``cur`` from its stage (waited for by the unit issued before) ahead of its first promotion. Every WGMMA
         issued here retires here. W4A8 (``dq``): each block's B is converted to e4m3 once it arrived, right before
-        its first WGMMA (megamoe.w4a8_dequant), under the previous unit's WGMMA. ``turn`` (a tile's first group
-        only): (fn, args), called once the first two units are issued, while their WGMMAs run into ``blks``; it
-        takes ``acc`` (the previous tile's product, staged by it) and returns what the caller wants back; then
-        ``acc`` is zeroed. Returns the pipeline state after the G blocks, (instrument) when block 0 arrived, and
-        ``turn``'s result (None without one)."""
+        its first WGMMA (megamoe.w4a8_dequant), under the previous unit's WGMMA. Returns the pipeline state after
+        the G blocks and (instrument) when block 0 arrived."""
         per = cute.size(tCrA, mode=[2]) // split  # k32 steps per unit
         n_units = G * split
         states = [state]  # the G blocks' pipeline stages
@@ -114,13 +111,11 @@ class Fp8MainloopMixin:
             self.wgmma_k(mma, blks[u % 2], tCrA, tCrB, states[g].index, h * per, (h + 1) * per)
 
         issue(0)
+        if const_expr(self.instrument):
+            if kb0 == 0:
+                t_data = cute.arch.globaltimer()
         if const_expr(n_units > 1):
             issue(1)
-        out = None
-        if const_expr(turn is not None):
-            fn, args = turn
-            out = fn(*args)
-            acc.fill(0.0)
         for u in cutlass.range_constexpr(n_units):
             g, h = u // split, u % split
             if const_expr(h == 0):  # block g's stage was waited for when its first unit was issued
@@ -134,43 +129,35 @@ class Fp8MainloopMixin:
             self.promote(acc, blks[u % 2], cur[h], cur[2][0], cur[2][1])
             if const_expr(u + 2 < n_units):
                 issue(u + 2)
-        return states[G], out
+        return states[G], t_data
 
     @cute.jit
     def fp8_k_loop(self, n_kb: cutlass.Constexpr, split: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state,
-                   arow, stage_scales, cur, dq, turn):
-        """A tile's ``n_kb`` K blocks: its first group straight-line with ``turn`` under its first WGMMAs
-        (``fp8_blocks``), then FP8_GROUP blocks per loop iteration, the rest one at a time. W4A8 takes the largest
-        group up to FP8_GROUP that divides ``n_kb`` (DiT-MoE's 9 L1 blocks: 3 x 3), so there is no one-block
-        loop: with one, ptxas spilled a register there."""
+                   arow, stage_scales, cur, t_data, dq):
+        """A tile's ``n_kb`` K blocks: FP8_GROUP blocks per loop iteration, the rest one at a time. W4A8 takes the
+        largest group up to FP8_GROUP that divides ``n_kb`` (DiT-MoE's 9 L1 blocks: 3 x 3), so there is no
+        one-block loop: with one, ptxas spilled a register there."""
         group = FP8_GROUP
         if const_expr(dq is not None):
             group = max(g for g in range(1, FP8_GROUP + 1) if n_kb % g == 0)
-        first = min(group, n_kb)
-        state, out = self.fp8_blocks(first, split, mma, acc, blks, tCrA, tCrB, pipe, state, Int32(0), arow,
-                                     stage_scales, cur, dq, turn)
-        kb = Int32(first)
-        rest = n_kb - first
-        if const_expr(rest >= group):
-            for _ in cutlass.range(rest // group, unroll=1):
-                state, _ = self.fp8_blocks(group, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, arow,
-                                           stage_scales, cur, dq)
-                kb = kb + group
-        if const_expr(rest % group):
-            for _ in cutlass.range(rest % group, unroll=1):
-                state, _ = self.fp8_blocks(1, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, arow,
-                                           stage_scales, cur, dq)
+        kb = Int32(0)
+        for _ in cutlass.range(n_kb // group, unroll=1):
+            state, t_data = self.fp8_blocks(group, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, arow,
+                                            stage_scales, cur, t_data, dq)
+            kb = kb + group
+        if const_expr(n_kb % group):
+            for _ in cutlass.range(n_kb % group, unroll=1):
+                state, t_data = self.fp8_blocks(1, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, arow,
+                                                stage_scales, cur, t_data, dq)
                 kb = kb + 1
-        return state, out
+        return state, t_data
 
     @cute.jit
-    def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, rows_c, stage_scales, dq, turn,
-                          out):
+    def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, rows_c, stage_scales, dq):
         """acc = the tile's fp32 product over its 128-wide K blocks (L1: ``k1`` blocks in whole-block units; L2:
         ``k2`` blocks in half-block units), the scales from each stage (``stage_scales``: the activation and the
-        weight scales' shared-memory stages). ``turn`` runs under the tile's first WGMMAs (``fp8_blocks``) and
-        ``out`` is the shape of its result. Returns the pipeline state, (instrument) when the first K block had
-        arrived, and ``turn``'s result."""
+        weight scales' shared-memory stages). Returns the pipeline state and (instrument) when the first K block
+        had arrived."""
         for r in cutlass.range_constexpr(cute.size(arow)):
             arow[r] = rows_c[r, 0][0]  # this thread's rows within the tile
         rows = cute.size(arow)
@@ -178,12 +165,14 @@ class Fp8MainloopMixin:
         cur = (cute.make_rmem_tensor(cute.make_layout(rows), Float32),
                cute.make_rmem_tensor(cute.make_layout(rows), Float32),
                cute.make_rmem_tensor(cute.make_layout(2), Float32))
+        acc.fill(0.0)
+        t_data = Int64(0)
         # L2: the intermediate's scales were stored by other CTAs' L1 epilogues before their release on
         # l1_done[p]; the producer acquired that counter and fenced the async proxy before this tile's TMA loads
         if kind == ts.KIND_L1:
-            state, out = self.fp8_k_loop(self.k1, 1, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
-                                         cur, dq, turn)
+            state, t_data = self.fp8_k_loop(self.k1, 1, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
+                                            cur, t_data, dq)
         else:
-            state, out = self.fp8_k_loop(self.k2, 2, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
-                                         cur, dq, turn)
-        return state, out
+            state, t_data = self.fp8_k_loop(self.k2, 2, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
+                                            cur, t_data, dq)
+        return state, t_data

@@ -49,9 +49,8 @@ from quack import copy_utils, layout_utils, sm90_utils
 from cute_kernels import flags as fl
 from cute_kernels import timers
 from megamoe import tile_stream as ts
-from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, STAGE_ROW, StagedEpilogueMixin
+from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
 from megamoe.fp8_mainloop import Fp8MainloopMixin
-from megamoe.tile_walk import TileWalkMixin
 from megamoe.phases import (NUM_THREADS, SCALE_PAIR, WG_THREADS, DispatchCombineMixin, NamedBarrierMoE,
                             scale_units)
 from megamoe.trial import open_trial, trial_order
@@ -68,7 +67,7 @@ ERR_L1_TIMEOUT = 6
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
 
 
-class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, TileWalkMixin, Fp8MainloopMixin, W4DequantMixin):
+class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin, W4DequantMixin):
     """``hidden``, ``intermediate``: the layer (multiples of 128); ``top_k``; ``num_local_experts``: experts
     per rank; ``max_world``: the largest world size the launch may take (shared-memory tables);
     ``instrument``: per-tile records; ``precision``: "bf16", or "w8a8" (e4m3 weights with 128 x 128 block
@@ -415,25 +414,18 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, TileWalkMixin, F
 
     # ---------------------------------------------------------------- phase 3: the MMA warpgroups
     @cute.jit
-    def mainloop(self, mma, acc, tCrA, tCrB, pipe, state, n_kb, turn, out):
-        """bf16: acc = A B over ``n_kb`` (>= 2) K blocks; one WGMMA group in flight, each stage released once read.
-        ``turn`` = (fn, args) runs once the first two blocks are issued, under their WGMMAs (megamoe.tile_walk);
-        ``out`` is the shape of its result. Returns the state and ``turn``'s result."""
+    def mainloop(self, mma, acc, tCrA, tCrB, pipe, state, n_kb):
+        """acc = A B over ``n_kb`` K blocks; one WGMMA group in flight, each stage released once read. Returns
+        the state and (instrument) when the first K block had arrived: the MMA side's wait at tile entry."""
         pipe.consumer_wait(state)
+        t_data = Int64(0)
+        if const_expr(self.instrument):
+            t_data = cute.arch.globaltimer()
         sm90_utils.gemm_w_idx(mma, acc, tCrA, tCrB, zero_init=True, A_idx=state.index, B_idx=state.index,
-                              wg_wait=-1)
-        first = state.clone()
-        state.advance()
-        pipe.consumer_wait(state)
-        sm90_utils.gemm_w_idx(mma, acc, tCrA, tCrB, zero_init=False, A_idx=state.index, B_idx=state.index,
                               wg_wait=-1)
         prev = state.clone()
         state.advance()
-        fn, args = turn
-        out = fn(*args)
-        warpgroup.wait_group(1)
-        pipe.consumer_release(first)
-        for _ in cutlass.range(n_kb - 2, unroll=1):
+        for _ in cutlass.range(n_kb - 1, unroll=1):
             pipe.consumer_wait(state)
             sm90_utils.gemm_w_idx(mma, acc, tCrA, tCrB, zero_init=False, A_idx=state.index, B_idx=state.index,
                                   wg_wait=1)
@@ -442,7 +434,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, TileWalkMixin, F
             state.advance()
         warpgroup.wait_group(0)
         pipe.consumer_release(prev)
-        return state, out
+        return state, t_data
 
     @cute.jit
     def drain(self, pipe, state, n_kb, dq):
@@ -459,9 +451,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, TileWalkMixin, F
 
     @cute.jit
     def mma(self, pool_w, records, s_inter, storage, layouts, mma, mma_half, pipe, walk, s_ntok, rec_cap, tidx):
-        """The two MMA warpgroups: per tile of the walk its mainloop, and under the next tile's first WGMMAs each
-        warpgroup stages its 64 rows for its store warp (L1: SwiGLU x weight; L2: the bf16 rows of the Combine;
-        megamoe.tile_walk, megamoe.epilogue)."""
+        """The two MMA warpgroups: per tile of the walk its mainloop, then each warpgroup stages its 64 rows for
+        its store warp (L1: SwiGLU x weight; L2: the bf16 rows of the Combine) and goes on (megamoe.epilogue)."""
         sA_layout, sB_layout, sC_layout, sH_layout = layouts
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
@@ -469,6 +460,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, TileWalkMixin, F
         sH = storage.sC.get_tensor(sH_layout)  # a view of sC: each row's first 64 columns
         sQ = cute.make_tensor(cute.recast_ptr(sC.iterator, dtype=self.ab_dtype),
                               cute.make_layout((BLOCK_M, BLOCK_N // 2), stride=(2 * STAGE_ROW, 1)))  # FP8 h
+        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
+        E = self.num_local_experts
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_mma = mma.get_slice(wg * WG_THREADS)
         wg_half = mma_half.get_slice(wg * WG_THREADS)
@@ -493,12 +486,61 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, TileWalkMixin, F
         thr_h = cute.make_tiled_copy_C(st_atom, mma_half).get_slice(tidx)
         staging_c = (st_atom, thr_c, thr_c.partition_D(sC))
         staging_h = (st_atom, thr_h, thr_h.partition_D(sH))
-        # this thread's accumulator rows (within the 128-row tile), for the router weights and the FP8 scales
+        # this thread's accumulator rows (within the 128-row tile), for the router weight
         rows_c = layout_utils.reshape_acc_to_mn(mma.get_slice(tidx).partition_C(
             cute.make_identity_tensor((BLOCK_M, BLOCK_N))))
-        fp8_args = (blks, stage_scales, dq, arow, rows_c) if self.fp8 else None
-        by_precision = (sQ, s_inter) if self.fp8 else (acc_h, staging_h)
-        # FP8: a tile's product waits in acc (its WGMMAs fill blks); bf16: in a copy (megamoe.tile_walk)
-        acc_prev = acc if self.fp8 else cute.make_fragment_like(acc)
-        self.walk(records, rec_cap, acc_prev, (mma, acc, tCrA, tCrB, pipe, fp8_args),
-                  (pool_w, rows_c, staging_c, by_precision), walk, s_ntok, wg, tidx)
+        wts = cute.make_rmem_tensor(cute.make_layout(cute.size(rows_c, mode=[0])), Float32)  # L1: router weights
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        cursor = ts.initial_cursor(order, bidx)
+        found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
+                                                    grid, self.n1, self.n2, E)
+        j = Int32(0)  # the tile's place in the CTA's stream
+        while found != 0:
+            n_kb = Int32(self.k1)
+            if kind == ts.KIND_L2:
+                n_kb = Int32(self.k2)
+            m = p - s_row_off[e]
+            if const_expr(self.instrument):
+                t_entry = cute.arch.globaltimer()
+            if kind == ts.KIND_L1:  # the router weights, loaded before the mainloop hides their latency
+                for r in cutlass.range_constexpr(cute.size(wts)):
+                    wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
+            t_data = Int64(0)
+            if s_ntok[e] - m * BLOCK_M > wg * self.wg_rows:
+                if const_expr(self.fp8):
+                    state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow,
+                                                           rows_c, stage_scales, dq)
+                else:
+                    state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
+            else:
+                # none of this warpgroup's 64 rows is a token (an expert's last tile holds at most 64): it skips
+                # the WGMMAs and their promotions, so the other warpgroup has the Tensor Cores and the issue slots
+                # to itself; that warpgroup's rows get a full tile's arithmetic, so a token's row comes out the
+                # same bits whichever tile the atomic slot order puts it in. W8A8 5-11% faster at 1024 and 8192
+                # tokens, bf16 a tie; two ways to use the idle warpgroup lost (docs/FINDINGS.md, MegaMoE)
+                state = self.drain(pipe, state, n_kb, dq)
+            if const_expr(self.instrument):
+                t_mma = cute.arch.globaltimer()
+            waited = Int64(0)
+            if kind == ts.KIND_L1:
+                if const_expr(self.fp8):
+                    waited = self.stage_l1_fp8(acc, wts, sQ, s_inter, p, n, rows_c, wg, j, tidx, s_ntok)
+                else:
+                    waited = self.stage_l1(acc, acc_h, staging_h, wts, wg, j, s_ntok)
+            else:
+                waited = self.stage_l2(acc, staging_c, wg, j, s_ntok)
+            if const_expr(self.instrument):
+                if tidx == 0:
+                    if j < rec_cap:
+                        t_end = cute.arch.globaltimer()
+                        base_r = (Int64(bidx) * rec_cap + j) * REC_FIELDS
+                        records[base_r] = (Int64(kind) << 56) | (Int64(e) << 40) | (Int64(m) << 20) | Int64(n)
+                        records[base_r + 1] = Int64(cute.arch.smid())
+                        records[base_r + 2] = t_entry
+                        records[base_r + 3] = t_data
+                        records[base_r + 4] = t_mma
+                        records[base_r + 5] = t_end
+                        records[base_r + REC_STAGING_WAIT] = waited
+            j = j + 1
+            found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
+                                                        grid, self.n1, self.n2, E)
