@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks.old_vs_new import parse_shape  # "BxSxH[xD]" -> (b, S, H, d)
+
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 SMI_FIELDS_OLD = "timestamp,clocks.sm,power.draw,temperature.gpu"  # a driver without the reasons field
 
@@ -168,14 +170,6 @@ def summarize(samples) -> dict:
     return {"samples": len(samples), "sm_mhz": statistics.median(s[1] for s in samples),
             "power_w": statistics.median(s[2] for s in samples),
             "temp_c": statistics.median(s[3] for s in samples), "reasons": reasons}
-
-
-def parse_shape(spec: str) -> tuple[int, int, int, int]:
-    """"BxSxH" (d = 128) or "BxSxHxD" -> (b, S, H, d)."""
-    parts = [int(x) for x in spec.split("x")]
-    if len(parts) not in (3, 4):
-        raise ValueError(f"a shape is BxSxH or BxSxHxD, got {spec!r}")
-    return (*parts, 128)[:4]
 
 
 def _run(args) -> dict:

@@ -50,10 +50,15 @@ def prepare(commit: str, into: str = OLD_DIR) -> str:
     return into
 
 
-def _shape(spec: str) -> tuple[int, int, int, int]:
+class ShapeError(ValueError, argparse.ArgumentTypeError):
+    """A shape that is not BxSxH[xD]: a ValueError to callers, and argparse prints its message."""
+
+
+def parse_shape(spec: str) -> tuple[int, int, int, int]:
+    """"BxSxH" (d = 128) or "BxSxHxD" -> (b, S, H, d); also benchmarks.fa_clocks' shapes."""
     parts = [int(x) for x in spec.split("x")]
     if len(parts) not in (3, 4):
-        raise argparse.ArgumentTypeError(f"a shape is BxSxH or BxSxHxD, got {spec!r}")
+        raise ShapeError(f"a shape is BxSxH or BxSxHxD, got {spec!r}")
     return (*parts, 128)[:4]
 
 
@@ -138,7 +143,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.old_vs_new", description=__doc__.split("\n")[0])
     p.add_argument("--prepare", metavar="COMMIT", help="export COMMIT's kernels into --old (needs git; no GPU)")
     p.add_argument("--out", help="result JSON (the GPU run)")
-    p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(x) for x in DEFAULT_SHAPES],
+    p.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(x) for x in DEFAULT_SHAPES],
                    help="BxSxH[xD] shapes (default: split and unsplit FA-only shapes)")
     p.add_argument("--tile-order-world", type=int, default=2,
                    help="FA-only walks the fused tile order of this many ranks (1: the local one-launch kernel)")
