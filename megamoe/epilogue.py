@@ -152,21 +152,18 @@ class StagedEpilogueMixin:
 
     # ---------------------------------------------------------------- the store warps
     @cute.jit
-    def store_walk(self, sC, mInter, pool_src, peer_ptrs, records, walk, s_ntok, l1_done, world, max_tokens,
-                   rec_cap, wg, lane):
+    def store_walk(self, sC, mInter, pool_src, peer_ptrs, records, ring, s_row_off, bidx, s_ntok, l1_done, world,
+                   max_tokens, rec_cap, wg, lane):
         """Store warp of MMA warpgroup ``wg``: per tile of the CTA's stream, its 64 staged rows out (lane takes
         rows lane and lane + 32), as the module docstring says."""
-        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
-        E = self.num_local_experts
         I, H = self.intermediate, self.hidden
         slots = max_tokens * self.top_k
         atom_l1 = bulk_store.row_atom(self.ab_dtype, BLOCK_N // 2)
         atom_l2 = bulk_store.row_atom(self.dtype, BLOCK_N)
         s_bytes = cute.recast_ptr(sC.iterator, dtype=cutlass.Uint8)
         dst = cute.make_rmem_tensor(cute.make_layout(2), Int64)
-        cursor = ts.initial_cursor(order, bidx)
-        found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
-                                                    grid, self.n1, self.n2, E)
+        t_state = ring.reader_state()
+        found, kind, p, n, e, t_state = ring.read(t_state)
         j = Int32(0)
         while found != 0:
             valid = cutlass.min(s_ntok[e] - (p - s_row_off[e]) * BLOCK_M, Int32(BLOCK_M)) - wg * 64
@@ -215,8 +212,7 @@ class StagedEpilogueMixin:
                     records[base + REC_STORE_BEGIN] = g0
                     records[base + REC_STORE_END] = cute.arch.globaltimer()
             j = j + 1
-            found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
-                                                        grid, self.n1, self.n2, E)
+            found, kind, p, n, e, t_state = ring.read(t_state)
             if found != 0:
                 cute.arch.barrier_arrive(barrier_id=NamedBarrierMoE.StagingFree + wg,
                                          number_of_threads=STAGING_THREADS)

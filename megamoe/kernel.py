@@ -13,7 +13,7 @@ One CTA per SM (at most SMs / P per emulated rank), 3 warpgroups. The launch run
    B (weights) into a ``ab_stages``-deep pipeline; the two MMA warpgroups (64 rows each of a 128 x 128 tile)
    run WGMMA, then stage their rows in shared memory for their store warps (warps 1 and 2) and go on to the
    next mainloop (``megamoe.epilogue``); in an expert's tail tile with at most 64 tokens the second warpgroup
-   only releases the stages (its rows hold no token). All of them walk the same tile stream
+   only releases the stages (its rows hold no token). Warp 3 walks the tile stream and publishes it to the others
    (``megamoe.tile_stream``: the expert-wave order or Algorithm 1, chosen at launch). L1 tile (row p, N block n): gate and up are the
    64 + 64 columns of the interleaved weight block (``MegaMoE.load_weights``); h = silu(gate) * up * weight
    goes to the local intermediate, then a release-add on ``l1_done[p]``. L2 tile: the producer waits
@@ -49,7 +49,8 @@ from quack import copy_utils, layout_utils, sm90_utils
 from cute_kernels import flags as fl
 from cute_kernels import timers
 from megamoe import tile_stream as ts
-from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, StagedEpilogueMixin
+from megamoe.epilogue import (PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, STORE_WARPS,
+                              StagedEpilogueMixin)
 from megamoe.fp8_mainloop import Fp8MainloopMixin
 from megamoe.phases import (NUM_THREADS, SCALE_PAIR, WG_THREADS, DispatchCombineMixin, NamedBarrierMoE,
                             scale_units)
@@ -212,6 +213,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         @cute.struct
         class SharedStorage:
             mbar_ab: cute.struct.MemRange[Int64, 2 * self.ab_stages]
+            mbar_tiles: cute.struct.MemRange[Int64, 2 * ts.TILE_SLOTS]
+            tiles: cute.struct.MemRange[Int32, ts.TILE_FIELDS * ts.TILE_SLOTS]  # the tile ring (TileRing)
             row_off: cute.struct.MemRange[Int32, E + 1]  # this rank's O_e (rows of 128), O[E] = P
             n_tok: cute.struct.MemRange[Int32, E]  # this rank's token rows per expert
             owner_off: cute.struct.MemRange[Int32, self.max_world * E]  # every owner's O_e (Dispatch)
@@ -265,6 +268,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             barrier_storage=storage.mbar_ab.data_ptr(), num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8), tx_count=tx, defer_sync=True)
+        # the walk, published by warp 3 and read by the producer warp, the store warps and the 8 MMA warps
+        ring = ts.TileRing.create(storage.mbar_tiles.data_ptr(), storage.tiles.get_tensor(
+            cute.make_layout((ts.TILE_FIELDS, ts.TILE_SLOTS))), reader_warps=1 + STORE_WARPS + 2 * WG_THREADS // 32)
         pipeline.pipeline_init_arrive(cluster_shape_mn=None, is_relaxed=True)
         E = self.num_local_experts
         s_row_off = storage.row_off.get_tensor(cute.make_layout(E + 1))
@@ -297,14 +303,16 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             if warp_idx == 0:
                 self.load(gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, (gS1, gS2, tma_s1, tma_s2),
                           (gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2), storage, sA_layout,
-                          sB_layout, pipe, walk, l1_done, errors, timeout_ns)
-            elif warp_idx <= 2:
-                self.store_walk(storage.sC.get_tensor(sC_layout), mInter, pool_src, peer_ptrs, records, walk, s_ntok,
-                                l1_done, world, max_tokens, rec_cap, warp_idx - 1, tidx % 32)
+                          sB_layout, pipe, ring, s_row_off, l1_done, errors, timeout_ns)
+            elif warp_idx <= STORE_WARPS:
+                self.store_walk(storage.sC.get_tensor(sC_layout), mInter, pool_src, peer_ptrs, records, ring,
+                                s_row_off, bidx, s_ntok, l1_done, world, max_tokens, rec_cap, warp_idx - 1, tidx % 32)
+            else:
+                ring.publish_walk(walk, self.n1, self.n2, E)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(pool_w, records, s_inter, storage, (sA_layout, sB_layout, sC_layout, sH_layout), mma, mma_half,
-                     pipe, walk, s_ntok, rec_cap, tidx - WG_THREADS)
+                     pipe, ring, s_row_off, bidx, s_ntok, rec_cap, tidx - WG_THREADS)
             if const_expr(self.instrument):
                 if tidx == WG_THREADS:
                     records[ph + PHASES.index("walk_end")] = cute.arch.globaltimer()
@@ -324,7 +332,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
     # ---------------------------------------------------------------- phase 3: the producer warp
     @cute.jit
     def load(self, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, shifts, stage_scales, storage, sA_layout,
-             sB_layout, pipe, walk, l1_done, errors, timeout_ns):
+             sB_layout, pipe, ring, s_row_off, l1_done, errors, timeout_ns):
         """Per tile of the walk: (L2) wait for its row's L1 half-tiles, then its K blocks of A and B (W4A8: B's
         packed codes and shifts; FP8: each block's activation and weight scales)."""
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
@@ -345,14 +353,12 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             sc1 = (tma_sa1, gSA1, tma_sb1, gSB1, sSA, sSB)
             sc2 = (tma_sa2, gSA2, tma_sb2, gSB2, sSA, sSB)
         units = scale_units(self.hidden, self.intermediate)
-        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
-        E = self.num_local_experts
+        bidx, _, _ = cute.arch.block_idx()
         # the pool rows arrived by generic-proxy stores (Dispatch, ordered by barrier B2); TMA reads them
         cute.arch.fence_proxy("async.global")
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        cursor = ts.initial_cursor(order, bidx)
-        found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
-                                                    grid, self.n1, self.n2, E)
+        t_state = ring.reader_state()
+        found, kind, p, n, e, t_state = ring.read(t_state)
         while found != 0:
             if kind == ts.KIND_L1:
                 # the pool's scale pair of block kb: row p * units / 2 + kb // 2; the weight scales of the gate
@@ -367,8 +373,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                 cute.arch.fence_proxy("async.global")
                 state = self.load_tile(tma_h, gH, tma_w2, gW2, p, e * self.n2 + n, sA, sB, self.k2, pipe, state,
                                        (tma_s2, gS2, sS), sc2, (p * (units // 2), False, e * self.n2 + n))
-            found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
-                                                        grid, self.n1, self.n2, E)
+            found, kind, p, n, e, t_state = ring.read(t_state)
         pipe.producer_tail(state)
 
     @cute.jit
@@ -450,7 +455,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         return state
 
     @cute.jit
-    def mma(self, pool_w, records, s_inter, storage, layouts, mma, mma_half, pipe, walk, s_ntok, rec_cap, tidx):
+    def mma(self, pool_w, records, s_inter, storage, layouts, mma, mma_half, pipe, ring, s_row_off, bidx, s_ntok,
+            rec_cap, tidx):
         """The two MMA warpgroups: per tile of the walk its mainloop, then each warpgroup stages its 64 rows for
         its store warp (L1: SwiGLU x weight; L2: the bf16 rows of the Combine) and goes on (megamoe.epilogue)."""
         sA_layout, sB_layout, sC_layout, sH_layout = layouts
@@ -460,8 +466,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         sH = storage.sC.get_tensor(sH_layout)  # a view of sC: each row's first 64 columns
         sQ = cute.make_tensor(cute.recast_ptr(sC.iterator, dtype=self.ab_dtype),
                               cute.make_layout((BLOCK_M, BLOCK_N // 2), stride=(2 * STAGE_ROW, 1)))  # FP8 h
-        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
-        E = self.num_local_experts
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_mma = mma.get_slice(wg * WG_THREADS)
         wg_half = mma_half.get_slice(wg * WG_THREADS)
@@ -491,9 +495,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             cute.make_identity_tensor((BLOCK_M, BLOCK_N))))
         wts = cute.make_rmem_tensor(cute.make_layout(cute.size(rows_c, mode=[0])), Float32)  # L1: router weights
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        cursor = ts.initial_cursor(order, bidx)
-        found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
-                                                    grid, self.n1, self.n2, E)
+        t_state = ring.reader_state()
+        found, kind, p, n, e, t_state = ring.read(t_state)
         j = Int32(0)  # the tile's place in the CTA's stream
         while found != 0:
             n_kb = Int32(self.k1)
@@ -542,5 +545,4 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                         records[base_r + 5] = t_end
                         records[base_r + REC_STAGING_WAIT] = waited
             j = j + 1
-            found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
-                                                        grid, self.n1, self.n2, E)
+            found, kind, p, n, e, t_state = ring.read(t_state)

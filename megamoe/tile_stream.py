@@ -3,9 +3,11 @@
 It mirrors :func:`megamoe.schedule.expert_wave_order` and :func:`megamoe.schedule.interleaved_scheduler`
 line by line (integers only), over the rows the Dispatch phase produced this launch: the kernel keeps
 ``O_e`` (each local expert's first scheduler row, ``O[E]`` = P, the rank's row count) and ``n_e`` (its token
-rows) in shared memory. Both the producer warp and the MMA warpgroups walk the same stream, so they agree
-on every tile without talking. The GPU test ``tests/megamoe/test_megamoe_gpu.py`` checks the instrumented
-kernel's per-CTA tile order against ``megamoe.schedule`` for both orders (one source of truth).
+rows) in shared memory. One warp of the CTA, the scheduler warp, walks the stream and publishes each tile in a
+small shared-memory ring (:class:`TileRing`); the producer warp, the MMA warpgroups and the store warps read
+it there, so the walk's integer arithmetic is on none of their paths (quack's sm90 GEMM does the same with its
+scheduler warp). The GPU test ``tests/megamoe/test_megamoe_gpu.py`` checks the instrumented kernel's per-CTA
+tile order against ``megamoe.schedule`` for both orders (one source of truth).
 
 A walk's state is eight Int32 (``cursor`` fields); what they mean depends on the order:
   wave:        (i, w, base, 0, e, 0, n, 0): i the CTA's next list index, w its wave, base the list index of wave
@@ -16,9 +18,11 @@ A walk's state is eight Int32 (``cursor`` fields); what they mean depends on the
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Int32
 
 WAVE = 0
@@ -165,6 +169,75 @@ def initial_cursor(order: Int32, bidx: Int32):
     return a, b, Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
 
 
+TILE_SLOTS = 8  # the ring's depth: the producer runs at most ~2 tiles ahead of the store warps, so 8 keeps
+#                 the scheduler warp ahead of every reader
+TILE_FIELDS = 4  # kind (0: the walk's end), p, n, e
+
+
+@dataclass(frozen=True)
+class TileRing:
+    """The CTA's tile walk, computed once: the scheduler warp publishes each tile of :func:`next_tile` (then an
+    end record) into ``TILE_SLOTS`` shared-memory slots; every reader warp takes them in order and frees a slot
+    once all ``reader_warps`` have read it (one arrival per warp). A reader is a whole warp: the producer warp,
+    a store warp, or each warp of an MMA warpgroup. Intra-CTA mbarrier waits, like the operand pipeline's."""
+
+    slots: cute.Tensor  # (TILE_FIELDS, TILE_SLOTS) Int32
+    pipe: pipeline.PipelineAsync
+
+    @staticmethod
+    def create(barrier_storage, slots: cute.Tensor, reader_warps: int) -> "TileRing":
+        return TileRing(slots, pipeline.PipelineAsync.create(
+            barrier_storage=barrier_storage, num_stages=TILE_SLOTS,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, reader_warps), defer_sync=True))
+
+    @staticmethod
+    def reader_state():
+        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
+
+    @cute.jit
+    def publish_walk(self, walk, n1: cutlass.Constexpr, n2: cutlass.Constexpr, num_experts: cutlass.Constexpr):
+        """The scheduler warp: every tile of the CTA's stream (``walk``: the kernel's walk arguments), then the
+        end record."""
+        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
+        lane = cute.arch.lane_idx()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_SLOTS)
+        cursor = initial_cursor(order, bidx)
+        found, kind, p, n, e, cursor = next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
+                                                 n1, n2, num_experts)
+        while found != 0:
+            self.publish(state, lane, kind, p, n, e)
+            state.advance()
+            found, kind, p, n, e, cursor = next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
+                                                     grid, n1, n2, num_experts)
+        self.publish(state, lane, Int32(0), Int32(0), Int32(0), Int32(0))
+
+    @cute.jit
+    def publish(self, state, lane, kind, p, n, e):
+        self.pipe.producer_acquire(state)
+        if lane == 0:
+            for i, v in enumerate((kind, p, n, e)):
+                self.slots[i, state.index] = v
+            self.pipe.producer_commit(state)
+
+    @cute.jit
+    def read(self, state):
+        """A reader warp's next tile: (found, kind, p, n, e, state advanced); ``state`` from :meth:`reader_state`."""
+        self.pipe.consumer_wait(state)
+        kind = self.slots[0, state.index]
+        p = self.slots[1, state.index]
+        n = self.slots[2, state.index]
+        e = self.slots[3, state.index]
+        cute.arch.sync_warp()  # every lane's reads done before the warp frees the slot
+        if cute.arch.lane_idx() == 0:
+            self.pipe.consumer_release(state)
+        state.advance()
+        found = Int32(1)
+        if kind == 0:
+            found = Int32(0)
+        return found, kind, p, n, e, state
+
+
 def lead_rows(lead: float) -> int:
     """Algorithm 1's D (a float) as the whole rows the kernel compares with (ceil; rows are integers)."""
     if lead < 0 or not math.isfinite(lead):
@@ -172,5 +245,5 @@ def lead_rows(lead: float) -> int:
     return int(math.ceil(lead))
 
 
-__all__ = ["WAVE", "INTERLEAVED", "ORDERS", "KIND_L1", "KIND_L2", "next_tile",
+__all__ = ["WAVE", "INTERLEAVED", "ORDERS", "KIND_L1", "KIND_L2", "TILE_SLOTS", "TILE_FIELDS", "TileRing", "next_tile",
            "initial_cursor", "lead_rows", "raster"]
