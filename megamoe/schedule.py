@@ -309,15 +309,16 @@ def expert_wave_order(work: RankWork, num_ctas: int, experts_per_wave: int | Non
 
 
 def row_group_size(precision: str) -> int:
-    """M blocks per row group (:meth:`RankWork.raster`) the kernel walks, by precision: 2 for bf16, 1 (the
-    row-major walk) for W8A8. Measured by adjacent pairs at world 1 against the row-major walk
-    (megamoe_mgroup{2,4}_4788669.json): bf16 DSv4-Flash 8192 tokens -15% (its weight blocks, 1 MiB, were read
-    from HBM once per M block), Qwen3-MoE -4..5%, groups of 4 the same; W8A8 +4..8% (its tiles, half the weight
-    bytes, were not bound by them, and the group walk costs its MMA side ~1 us a tile between mainloops:
-    +110..140 us at 1024 tokens, where the groups change no tile's place)."""
+    """M blocks per row group (:meth:`RankWork.raster`) the kernel walks: 2 for every precision. Measured by
+    adjacent pairs at world 1 against the row-major walk: bf16 DSv4-Flash 8192 tokens -15% (its weight blocks,
+    1 MiB, were read from HBM once per M block), Qwen3-MoE -4..5%, groups of 4 the same
+    (megamoe_mgroup{2,4}_4788669.json); W8A8 lost (+4..8%) while every role walked the stream itself, the group
+    walk's divisions costing ~1 us a tile even where groups move no tile (megamoe_mgroup2_fp8_3e324ea.json), and
+    wins since the scheduler warp walks it alone (megamoe_mgroup2_ring_a65d6f9.json: DSv4-Flash 8192 -2.6%,
+    Qwen3-MoE 8192 -0.6%, DSv4-Flash 4096, where groups move no tile, a tie)."""
     if precision not in ("bf16", "w8a8", "w4a8"):
         raise ValueError(f"precision must be bf16, w8a8 or w4a8, got {precision!r}")
-    return 2 if precision == "bf16" else 1  # W4A8 as W8A8 (a quarter of bf16's weight bytes; not measured apart)
+    return 2
 
 
 def wave_order_ring_slots_needed(work: RankWork, experts_per_wave: int) -> int:
