@@ -303,12 +303,12 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             if warp_idx == 0:
                 self.load(gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, (gS1, gS2, tma_s1, tma_s2),
                           (gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2), storage, sA_layout,
-                          sB_layout, pipe, ring)
+                          sB_layout, pipe, ring, s_row_off, l1_done, errors, timeout_ns)
             elif warp_idx <= STORE_WARPS:
                 self.store_walk(storage.sC.get_tensor(sC_layout), mInter, pool_src, peer_ptrs, records, ring,
                                 s_row_off, bidx, s_ntok, l1_done, world, max_tokens, rec_cap, warp_idx - 1, tidx % 32)
             else:
-                self.schedule(ring, walk, l1_done, errors, timeout_ns)
+                ring.publish_walk(walk, self.n1, self.n2, E)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(pool_w, records, s_inter, storage, (sA_layout, sB_layout, sC_layout, sH_layout), mma, mma_half,
@@ -329,34 +329,12 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         """(records, the index of phase stamp ``name`` of this CTA) when instrumented, else None."""
         return (records, ph + PHASES.index(name)) if const_expr(self.instrument) else None
 
-    # ---------------------------------------------------------------- phase 3: the scheduler warp
-    @cute.jit
-    def schedule(self, ring, walk, l1_done, errors, timeout_ns):
-        """Warp 3: the CTA's tile walk (``megamoe.tile_stream.next_tile``) into the tile ring, then its end. An
-        L2 tile is published once its row's L1 half-tiles are all in ``l1_done`` (a bounded acquire wait): the
-        ring runs up to TILE_SLOTS tiles ahead of the producer, so the wait is off the producer's path, and the
-        slot's release-acquire hands the ordering on (one thread waits, the others synchronize with it, as in
-        CUTLASS's split-K semaphore)."""
-        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
-        state = ring.writer_state()
-        cursor = ts.initial_cursor(order, bidx)
-        found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
-                                                    grid, self.n1, self.n2, self.num_local_experts)
-        while found != 0:
-            if kind == ts.KIND_L2:
-                fl.wait_geq(l1_done, p, Int32(self.l1_arrivals), timeout_ns, errors, Int32(ERR_L1_TIMEOUT), bidx,
-                            "gpu", 0, True)
-            state = ring.publish(state, kind, p, n, e)
-            found, kind, p, n, e, cursor = ts.next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group,
-                                                        bidx, grid, self.n1, self.n2, self.num_local_experts)
-        ring.publish(state, Int32(0), Int32(0), Int32(0), Int32(0))
-
     # ---------------------------------------------------------------- phase 3: the producer warp
     @cute.jit
     def load(self, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, shifts, stage_scales, storage, sA_layout,
-             sB_layout, pipe, ring):
-        """Per tile of the tile ring (an L2 tile's row complete: the scheduler warp waited), its K blocks of A
-        and B (W4A8: B's packed codes and shifts; FP8: each block's activation and weight scales)."""
+             sB_layout, pipe, ring, s_row_off, l1_done, errors, timeout_ns):
+        """Per tile of the walk: (L2) wait for its row's L1 half-tiles, then its K blocks of A and B (W4A8: B's
+        packed codes and shifts; FP8: each block's activation and weight scales)."""
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         gS1, gS2, tma_s1, tma_s2 = shifts
@@ -375,6 +353,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             sc1 = (tma_sa1, gSA1, tma_sb1, gSB1, sSA, sSB)
             sc2 = (tma_sa2, gSA2, tma_sb2, gSB2, sSA, sSB)
         units = scale_units(self.hidden, self.intermediate)
+        bidx, _, _ = cute.arch.block_idx()
         # the pool rows arrived by generic-proxy stores (Dispatch, ordered by barrier B2); TMA reads them
         cute.arch.fence_proxy("async.global")
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
@@ -388,6 +367,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                                        (tma_s1, gS1, sS), sc1, (p * (units // 2), True,
                                                                 e * (self.intermediate // 128) + n // 2))
             else:
+                fl.wait_geq(l1_done, p, Int32(self.l1_arrivals), timeout_ns, errors, Int32(ERR_L1_TIMEOUT), bidx,
+                            "gpu", 0, True)
                 # the intermediate was written by generic-proxy stores; TMA reads through the async proxy
                 cute.arch.fence_proxy("async.global")
                 state = self.load_tile(tma_h, gH, tma_w2, gW2, p, e * self.n2 + n, sA, sB, self.k2, pipe, state,

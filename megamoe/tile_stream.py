@@ -177,7 +177,7 @@ TILE_FIELDS = 4  # kind (0: the walk's end), p, n, e
 @dataclass(frozen=True)
 class TileRing:
     """The CTA's tile walk, computed once: the scheduler warp publishes each tile of :func:`next_tile` (then an
-    end record, kind 0) into ``TILE_SLOTS`` shared-memory slots; every reader warp takes them in order and frees a slot
+    end record) into ``TILE_SLOTS`` shared-memory slots; every reader warp takes them in order and frees a slot
     once all ``reader_warps`` have read it (one arrival per warp). A reader is a whole warp: the producer warp,
     a store warp, or each warp of an MMA warpgroup. Intra-CTA mbarrier waits, like the operand pipeline's."""
 
@@ -195,21 +195,30 @@ class TileRing:
     def reader_state():
         return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
 
-    @staticmethod
-    def writer_state():
-        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_SLOTS)
+    @cute.jit
+    def publish_walk(self, walk, n1: cutlass.Constexpr, n2: cutlass.Constexpr, num_experts: cutlass.Constexpr):
+        """The scheduler warp: every tile of the CTA's stream (``walk``: the kernel's walk arguments), then the
+        end record."""
+        order, s_row_off, num_rows, epw, lead, m_group, bidx, grid = walk
+        lane = cute.arch.lane_idx()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_SLOTS)
+        cursor = initial_cursor(order, bidx)
+        found, kind, p, n, e, cursor = next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx, grid,
+                                                 n1, n2, num_experts)
+        while found != 0:
+            self.publish(state, lane, kind, p, n, e)
+            state.advance()
+            found, kind, p, n, e, cursor = next_tile(order, cursor, s_row_off, num_rows, epw, lead, m_group, bidx,
+                                                     grid, n1, n2, num_experts)
+        self.publish(state, lane, Int32(0), Int32(0), Int32(0), Int32(0))
 
     @cute.jit
-    def publish(self, state, kind, p, n, e):
-        """The scheduler warp: tile (kind, p, n, e) into the next slot (kind 0: the walk's end); returns the
-        state advanced. Lane 0 writes; the slot's arrival orders its stores before every reader's loads."""
+    def publish(self, state, lane, kind, p, n, e):
         self.pipe.producer_acquire(state)
-        if cute.arch.lane_idx() == 0:
+        if lane == 0:
             for i, v in enumerate((kind, p, n, e)):
                 self.slots[i, state.index] = v
             self.pipe.producer_commit(state)
-        state.advance()
-        return state
 
     @cute.jit
     def read(self, state):
