@@ -35,8 +35,6 @@ globaltimer when it took the rows and when its wait for them returned. Compiled 
 """
 from __future__ import annotations
 
-import os
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -82,7 +80,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
 
     num_producer_regs = 40
     num_mma_regs = 232
-    b_prefetch = int(os.environ.get("XSTAGE_B_PREFETCH", "4"))  # B blocks prefetched into the L2 ahead (experiment)
     ab_stages = 5
 
     def __init__(self, hidden: int, intermediate: int, top_k: int, num_local_experts: int, max_world: int = 8,
@@ -390,7 +387,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         load_a, _, _ = copy_utils.tma_get_copy_fn(tma_a, 0, cute.make_layout(1), cute.local_tile(
             gA, (BLOCK_M, self.bk), (a_block, None)), sA)
         b_k = self.bk // 2 if const_expr(self.w4) else self.bk
-        load_b, _, tBgB = copy_utils.tma_get_copy_fn(tma_b, 0, cute.make_layout(1), cute.local_tile(
+        load_b, _, _ = copy_utils.tma_get_copy_fn(tma_b, 0, cute.make_layout(1), cute.local_tile(
             gB, (BLOCK_N, b_k), (b_block, None)), sB)
         load_s = None
         if const_expr(self.w4):
@@ -405,17 +402,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                 gSA, (1, SCALE_PAIR), (None, 0)), sSA)
             load_sb, _, _ = copy_utils.tma_get_copy_fn(tma_sb, 0, cute.make_layout(1), cute.local_tile(
                 gSB, (1, 4), (b_row, None)), sSB)
-        # B's first blocks into the L2 ahead of their stage (the weights stream from HBM; the stages alone hide
-        # about 5 x 0.44 us of their latency), then each block B_PREFETCH ahead of the one loaded
-        # (one lane: a TMA prefetch is not elected like the TMA loads)
-        with cute.arch.elect_one():
-            for kb in cutlass.range_constexpr(min(self.b_prefetch, n_kb)):
-                cute.prefetch(tma_b, tBgB[None, kb])
         for kb in cutlass.range(n_kb, unroll=1):
-            if const_expr(self.b_prefetch > 0):
-                if kb + self.b_prefetch < n_kb:
-                    with cute.arch.elect_one():
-                        cute.prefetch(tma_b, tBgB[None, kb + self.b_prefetch])
             pipe.producer_acquire(state)
             load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
             load_b(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
