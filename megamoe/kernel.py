@@ -303,7 +303,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             if warp_idx == 0:
                 self.load(gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, (gS1, gS2, tma_s1, tma_s2),
                           (gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2), storage, sA_layout,
-                          sB_layout, pipe, ring, s_row_off, l1_done, errors, timeout_ns)
+                          sB_layout, pipe, ring, bidx, l1_done, errors, timeout_ns)
             elif warp_idx <= STORE_WARPS:
                 self.store_walk(storage.sC.get_tensor(sC_layout), mInter, pool_src, peer_ptrs, records, ring,
                                 s_row_off, bidx, s_ntok, l1_done, world, max_tokens, rec_cap, warp_idx - 1, tidx % 32)
@@ -332,7 +332,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
     # ---------------------------------------------------------------- phase 3: the producer warp
     @cute.jit
     def load(self, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, shifts, stage_scales, storage, sA_layout,
-             sB_layout, pipe, ring, s_row_off, l1_done, errors, timeout_ns):
+             sB_layout, pipe, ring, bidx, l1_done, errors, timeout_ns):
         """Per tile of the walk: (L2) wait for its row's L1 half-tiles, then its K blocks of A and B (W4A8: B's
         packed codes and shifts; FP8: each block's activation and weight scales)."""
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
@@ -353,7 +353,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             sc1 = (tma_sa1, gSA1, tma_sb1, gSB1, sSA, sSB)
             sc2 = (tma_sa2, gSA2, tma_sb2, gSB2, sSA, sSB)
         units = scale_units(self.hidden, self.intermediate)
-        bidx, _, _ = cute.arch.block_idx()
         # the pool rows arrived by generic-proxy stores (Dispatch, ordered by barrier B2); TMA reads them
         cute.arch.fence_proxy("async.global")
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
