@@ -18,13 +18,7 @@ def run_bench(args) -> int:
         raise UsageError("--matrix has its own options: run it as xstage bench megamoe --matrix ...")
     if args.replays < 1 or args.calls_per_graph < 1:
         raise UsageError("--replays and --calls-per-graph must be at least 1")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UsageError("bench megamoe needs a CUDA GPU (torch.cuda.is_available() is False)")
-    args.gpus = torch.cuda.device_count()
-    args.rank_modes = rank_modes(args.ranks, args.world, args.gpus)
-    print("ranks: " + ", ".join(f"world {w} {m}" for w, m in args.rank_modes.items()), flush=True)
+    _resolve_ranks(args, "bench megamoe")
     if "real" in args.rank_modes.values():
         megamoe_ep.run_bench(args)
     else:
@@ -53,14 +47,7 @@ def run_matrix(args) -> int:
         print(f"capacity {p['capacity_gb']:.1f} GB; estimated {p['estimated_s']['all']} s in all ({alone}; start-up "
               f"{mx.EST['startup_s']:g} s included in each; at bf16 rates, an upper bound for w8a8 and w4a8{dump})")
         return 0
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UsageError("bench megamoe --matrix needs a CUDA GPU (torch.cuda.is_available() is False); "
-                         "--plan and --replot do not")
-    args.gpus = torch.cuda.device_count()
-    args.rank_modes = rank_modes(args.ranks, args.world, args.gpus)
-    print("ranks: " + ", ".join(f"world {w} {m}" for w, m in args.rank_modes.items()), flush=True)
+    _resolve_ranks(args, "bench megamoe --matrix", "; --plan and --replot do not")
     if "real" in args.rank_modes.values():
         result = megamoe_ep.run_matrix(args)
     else:
@@ -69,6 +56,17 @@ def run_matrix(args) -> int:
     print(f"wrote {args.out}, {args.md}, {args.png}: " + ", ".join(
         f"{n} {v}" for n, v in result["summary"]["counts"].items()), flush=True)
     return 0
+
+
+def _resolve_ranks(args, command: str, hint: str = "") -> None:
+    """The GPUs this run sees and each world's rank mode (local or real), printed; ``command`` needs a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"{command} needs a CUDA GPU (torch.cuda.is_available() is False){hint}")
+    args.gpus = torch.cuda.device_count()
+    args.rank_modes = rank_modes(args.ranks, args.world, args.gpus)
+    print("ranks: " + ", ".join(f"world {w} {m}" for w, m in args.rank_modes.items()), flush=True)
 
 
 def _visible_gpus() -> int:
