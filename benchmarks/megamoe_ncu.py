@@ -63,29 +63,39 @@ def run(args) -> None:
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     del a, b, ab
+    trees = {"new": MegaMoE}
+    if args.old:  # an old tree's layer beside this one (benchmarks.old_vs_new --prepare puts it on PYTHONPATH)
+        try:
+            from old_megamoe.api import MegaMoE as OldMoE
+        except ImportError as e:
+            raise SystemExit(f"old_megamoe does not import ({e}): put the old tree on PYTHONPATH") from e
+        trees = {"old": OldMoE, "new": MegaMoE}
+    labels = []  # the MegaMoE launches in profiling order
     for spec in args.cases:
         case = parse_case(spec)
         preset, _, w1, w2, x, idx, wts, dtype = case_inputs(case, args.seed)
-        layer = MegaMoE(None, preset.num_experts, preset.top_k, preset.hidden, preset.intermediate, dtype=dtype,
+        for tree, cls in trees.items():
+            layer = cls(None, preset.num_experts, preset.top_k, preset.hidden, preset.intermediate, dtype=dtype,
                         schedule=case["schedule"], max_tokens_per_rank=case["tokens"])
-        layer.load_weights(w1, w2)
-        del w1, w2
-        for _ in range(2):
+            layer.load_weights(w1, w2)
+            for _ in range(2):
+                layer.forward(x, idx, wts)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
             layer.forward(x, idx, wts)
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        layer.forward(x, idx, wts)
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
-        layer.check_errors()
-        print(f"profiled {spec}", flush=True)
-        del layer
-        torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            layer.check_errors()
+            labels.append(spec if len(trees) == 1 else f"{tree}:{spec}")
+            print(f"profiled {labels[-1]}", flush=True)
+            del layer
+            torch.cuda.empty_cache()
+        del w1, w2
     if args.out:  # what ran, for the summary (--summarize ... --provenance this file)
         from cute_kernels.runtime import provenance
 
         with open(args.out, "w") as f:
-            json.dump({"provenance": provenance(" ".join(sys.argv)), "cases": args.cases, "seed": args.seed}, f,
+            json.dump({"provenance": provenance(" ".join(sys.argv)), "cases": labels, "seed": args.seed}, f,
                       indent=1)
 
 
@@ -130,6 +140,17 @@ def summarize(path: str, cases: list[str], provenance: dict | None = None) -> di
                 except ValueError:
                     pass
         rec["stall_cycles_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:8])
+        # ncu --metrics breakdown:lts__throughput...: the L2's sub-units, the busiest first (what bounds it)
+        parts = {}
+        for metric, i in col.items():
+            if metric.startswith(("lts__", "ltc__")) and metric.endswith("pct_of_peak_sustained_elapsed") \
+                    and metric not in METRICS.values():
+                try:
+                    parts[metric] = float(r[i].replace(",", ""))
+                except ValueError:
+                    pass
+        if parts:
+            rec["l2_breakdown_pct"] = dict(sorted(parts.items(), key=lambda kv: -kv[1])[:12])
         kernels.append(rec)
     return {"provenance": provenance, "source": os.path.basename(path), "cases": cases, "metrics": METRICS,
             "kernels": kernels}
@@ -140,6 +161,8 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="+", default=["dsv4-flash:8192:balanced:w8a8:interleaved"],
                    help="SHAPE:TOKENS:ROUTING:DTYPE[:SCHEDULE] (benchmarks.megamoe_old_vs_new's cases)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--old", action="store_true",
+                   help="profile the old tree's layer (old_megamoe on PYTHONPATH) before this tree's, per case")
     p.add_argument("--summarize", metavar="CSV", help="no GPU: ncu's raw CSV -> JSON (--out)")
     p.add_argument("--out", help="with --summarize: the summary JSON; else: the run's provenance JSON")
     p.add_argument("--provenance", help="with --summarize: the run's --out file, embedded in the summary")
