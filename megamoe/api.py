@@ -220,14 +220,6 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, experts: range) -> tup
     return w1t, w2t.reshape(-1, w2t.shape[-1]).contiguous()
 
 
-def block_weights(w: torch.Tensor, bk: int) -> torch.Tensor:
-    """A (rows, K) weight matrix in the kernel's (rows, K) shape with each 128-row x ``bk``-column block stored
-    contiguously, blocks row-major (megamoe.kernel.MegaMoEForward.blocked_weights reads it): a pipeline stage's
-    weight block is one 16 KiB run of memory."""
-    rows, k = w.shape
-    return w.reshape(rows // 128, 128, k // bk, bk).permute(0, 2, 1, 3).contiguous().view(rows, k)
-
-
 def w4a8_shift_blocks(shift: torch.Tensor) -> torch.Tensor:
     """W4A8 run shifts (rows, K/32) in the kernel's order -> (rows/128, K/128 * 256) uint16: each 128 x 128
     block's 512 bytes together (row-major 128 rows x 4 runs, one TMA box per pipeline stage), clamped to
@@ -356,7 +348,7 @@ class MegaMoE:
             if w.dtype != torch.bfloat16:
                 raise ValueError(f"{name} must be bfloat16, got {w.dtype}")
         if not self.fp8:
-            self.w1, self.w2 = (block_weights(t.to(self.device), 64) for t in transform_weights(w1, w2, self.experts))
+            self.w1, self.w2 = (t.to(self.device) for t in transform_weights(w1, w2, self.experts))
             return
         if self.precision == "w4a8":
             self._load_w4a8(w1, w2)
@@ -369,7 +361,7 @@ class MegaMoE:
         q1, s1 = quantize_fp8_blockwise_weights(w1[local].to(self.device))
         q2, s2 = quantize_fp8_blockwise_weights(w2[local].to(self.device))
         q1t, q2t = transform_weights(q1.view(torch.uint8), q2.view(torch.uint8), range(self.num_local))
-        self.w1, self.w2 = (block_weights(t, 128).view(torch.float8_e4m3fn) for t in (q1t, q2t))
+        self.w1, self.w2 = q1t.view(torch.float8_e4m3fn), q2t.view(torch.float8_e4m3fn)
         self.w1_scale, self.w2_scale = stage_weight_scales(s1, s2, self.num_local, H, I)
 
     def _load_w4a8(self, w1, w2):

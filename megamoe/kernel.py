@@ -201,14 +201,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             tma_w2, gW2 = cpasync.make_tiled_tma_atom(op, mW2, one_p, (BLOCK_N, self.bk // 2))
             tx = cute.size_in_bytes(ab, one_a) + BLOCK_N * self.bk // 2 + SHIFT_STAGE_BYTES
         else:
-            # load_weights stores each 128 x bk weight block contiguously (16 KiB; megamoe.api.block_weights):
-            # one stage's B is one sequential run of memory instead of 128 runs of 128 bytes a row apart
-            tma_w1, gW1 = cpasync.make_tiled_tma_atom(
-                op, self.blocked_weights(mW1, self.num_local_experts * self.n1, self.hidden), one_b,
-                (BLOCK_N, self.bk))
-            tma_w2, gW2 = cpasync.make_tiled_tma_atom(
-                op, self.blocked_weights(mW2, self.num_local_experts * self.n2, self.intermediate), one_b,
-                (BLOCK_N, self.bk))
+            tma_w1, gW1 = cpasync.make_tiled_tma_atom(op, mW1, one_b, (BLOCK_N, self.bk))
+            tma_w2, gW2 = cpasync.make_tiled_tma_atom(op, mW2, one_b, (BLOCK_N, self.bk))
             tx = cute.size_in_bytes(ab, one_a) + cute.size_in_bytes(ab, one_b)
         if const_expr(self.fp8):
             tx = tx + SCALE_PAIR * 4 + 16
@@ -241,13 +235,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                     sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
                     trial_mode, experts_per_wave, lead, m_group, timeout_ns, rec_cap, SharedStorage).launch(
             grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
-
-    def blocked_weights(self, m: cute.Tensor, row_blocks: int, k: int) -> cute.Tensor:
-        """The (rows, k) weight matrix ``m`` as stored by megamoe.api.block_weights: block (i, j) of 128 rows x
-        bk columns at ((i * k / bk) + j) * 128 * bk elements, row-major inside."""
-        return cute.make_tensor(m.iterator, cute.make_layout(
-            ((BLOCK_N, row_blocks), (self.bk, k // self.bk)),
-            stride=((self.bk, BLOCK_N * k), (1, BLOCK_N * self.bk))))
 
     # ---------------------------------------------------------------- device
     @cute.kernel
