@@ -5,7 +5,9 @@ the check a kernel experiment owes before it lands (or is written up and dropped
     PYTHONPATH=$PWD:$PWD/.oldtree python -m benchmarks.megamoe_old_vs_new --out J [--cases ...]   # the GPU
 
 ``--same-tree --set new.m_group=2`` times this tree against itself with a run-time attribute of one side's
-layers changed (a launch-time knob: nothing else differs, no export needed).
+layers changed (a launch-time knob: nothing else differs, no export needed). A side named ``new2``, ``new3``, ...
+in ``--set`` is one more layer of this tree with its own settings, timed in the same rounds and paired against
+old like ``new`` (several settings of a launch-time knob in one process, one compile).
 
 Each case builds both layers with the same seeded weights, tokens and routing, checks both outputs against
 each other (``identical_output``: bit for bit, which a change of schedule-free arithmetic keeps; otherwise
@@ -90,7 +92,8 @@ def run(args) -> dict:
         for case in args.cases:
             preset, seed, w1, w2, x, idx, wts, dtype = case_inputs(case, args.seed)
             layers = {}
-            for name, cls in (("old", OldMoE), ("new", NewMoE)):
+            sides = [("old", OldMoE), ("new", NewMoE)] + [(n, NewMoE) for n in args.extra_sides]
+            for name, cls in sides:
                 layers[name] = cls(None, preset.num_experts, preset.top_k, preset.hidden, preset.intermediate,
                                    dtype=dtype, schedule=case["schedule"], max_tokens_per_rank=case["tokens"])
                 layers[name].load_weights(w1, w2)
@@ -109,12 +112,22 @@ def run(args) -> dict:
                 fn()
             torch.cuda.synchronize()
             ref = outs["old"].float()
-            diff = float((outs["new"].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-            same = bool(torch.equal(outs["old"], outs["new"]))
-            medians, pairs, noise = time_old_new(calls, args, group)
+
+            def rel_diff(n):
+                return float((outs[n].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+            diff, same = rel_diff("new"), bool(torch.equal(outs["old"], outs["new"]))
+            medians, pairs, noise, extra_pairs = time_old_new(calls, args, group)
+            extra = {n: {"us": medians[n], "minus_old_us": extra_pairs[n], "settings": args.settings.get(n, {}),
+                         "identical_output": bool(torch.equal(outs["old"], outs[n])), "max_rel_diff": rel_diff(n)}
+                     for n in args.extra_sides}
             rows.append({**case, "seed": seed, "old_us": medians["old"], "new_us": medians["new"],
                          "new_minus_old_us": pairs, "old_minus_old_us": noise, "identical_output": same,
-                         "max_rel_diff": diff})
+                         "max_rel_diff": diff, **({"extra_sides": extra} if extra else {})})
+            for n, e in extra.items():
+                print(f"  {n} {e['settings']}: {e['us']:.0f} µs; {n}-old by pairs {e['minus_old_us']['median_us']:+.1f} "
+                      f"[{e['minus_old_us']['q1_us']:+.1f}, {e['minus_old_us']['q3_us']:+.1f}]; same bits: "
+                      f"{e['identical_output']}", flush=True)
             print(f"{case['shape']} {case['tokens']} {case['routing']} {case['dtype']} {case['schedule']}: old "
                   f"{medians['old']:.0f} new {medians['new']:.0f} µs; new-old by pairs {pairs['median_us']:+.1f} "
                   f"[{pairs['q1_us']:+.1f}, {pairs['q3_us']:+.1f}], A/A {noise['median_us']:+.1f}; same bits: "
@@ -135,16 +148,19 @@ def main(argv=None) -> int:
                    help="SHAPE:TOKENS:ROUTING:DTYPE[:SCHEDULE] (default: " + " ".join(DEFAULT_CASES) + ")")
     p.add_argument("--same-tree", action="store_true", help="old is this tree too (with --set: a run-time knob)")
     p.add_argument("--set", nargs="+", default=[], metavar="SIDE.ATTR=INT",
-                   help="set an integer attribute of one side's layers after load_weights, e.g. new.m_group=2")
+                   help="set an integer attribute of one side's layers after load_weights, e.g. new.m_group=2; a side "
+                        "new2, new3, ... is one more layer of this tree")
     add_timing_arguments(p, calls_per_graph=2, pairs=24)
     args = p.parse_args(argv)
     args.settings = {}
     for spec in args.set:
         side, _, rest = spec.partition(".")
         attr, _, value = rest.partition("=")
-        if side not in ("old", "new") or not attr or not value.lstrip("-").isdigit():
-            p.error(f"--set takes old.ATTR=INT or new.ATTR=INT, got {spec!r}")
+        if not (side in ("old", "new") or side[3:].isdigit() and side.startswith("new")) or not attr \
+                or not value.lstrip("-").isdigit():
+            p.error(f"--set takes old.ATTR=INT, new.ATTR=INT or newN.ATTR=INT (one more side), got {spec!r}")
         args.settings.setdefault(side, {})[attr] = int(value)
+    args.extra_sides = sorted(s for s in args.settings if s not in ("old", "new"))
     if not args.same_tree:
         check_old_tree(p, args.old)
     import torch

@@ -86,10 +86,10 @@ def old_commit(old: str) -> str:
         return f.read().strip()
 
 
-def time_old_new(calls: dict, args, group) -> tuple[dict, dict, dict]:
-    """``calls`` {"old": fn, "new": fn} timed side by side: medians of ``args.replays`` interleaved rounds of
+def time_old_new(calls: dict, args, group) -> tuple[dict, dict, dict, dict]:
+    """``calls`` {"old": fn, "new": fn, ...} timed side by side: medians of ``args.replays`` interleaved rounds of
     ``args.calls_per_graph``-call graphs, new - old over ``args.pairs`` alternating adjacent one-call replays,
-    and old - old over as many (the run's noise)."""
+    old - old over as many (the run's noise), and each further side - old the same way ({name: pairs})."""
     from benchmarks.timing import alternated_excess, capture_graph, measure_rounds
 
     columns = {n: (fn, capture_graph(fn, args.calls_per_graph, group)[0]) for n, fn in calls.items()}
@@ -97,7 +97,9 @@ def time_old_new(calls: dict, args, group) -> tuple[dict, dict, dict]:
     one = {n: capture_graph(fn, 1, group)[0] for n, fn in calls.items()}
     pairs = alternated_excess(one["old"].replay, one["new"].replay, args.pairs, group)
     noise = alternated_excess(one["old"].replay, capture_graph(calls["old"], 1, group)[0].replay, args.pairs, group)
-    return medians, pairs, noise
+    extra = {n: alternated_excess(one["old"].replay, g.replay, args.pairs, group)
+             for n, g in one.items() if n not in ("old", "new")}
+    return medians, pairs, noise, extra
 
 
 def run(args) -> dict:
@@ -124,7 +126,7 @@ def run(args) -> dict:
             outs = {"old": torch.empty_like(q), "new": torch.empty_like(q)}
             calls = {"old": lambda: old_fa(q, k, v, out=outs["old"], tile_order_world=args.tile_order_world),
                      "new": lambda: new_fa(q, k, v, out=outs["new"], tile_order_world=args.tile_order_world)}
-            medians, pairs, noise = time_old_new(calls, args, group)
+            medians, pairs, noise, _ = time_old_new(calls, args, group)
             torch.cuda.synchronize()
             rows.append({"shape": [b, s, h, d], "old_us": medians["old"], "new_us": medians["new"],
                          "new_minus_old_us": pairs, "old_minus_old_us": noise,

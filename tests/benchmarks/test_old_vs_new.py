@@ -54,3 +54,7 @@ def test_megamoe_old_vs_new_cases_and_refusals(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         mo.main(["--old", str(tmp_path / "none"), "--out", str(tmp_path / "o.json")])
     assert e.value.code == 2 and "--prepare COMMIT" in capsys.readouterr().err
+    for bad in ("newx.m_group=1", "mid.m_group=1", "new2.m_group=x", "new2.=1"):  # sides: old, new, new2, new3, ...
+        with pytest.raises(SystemExit) as e:
+            mo.main(["--same-tree", "--out", str(tmp_path / "o.json"), "--set", bad])
+        assert e.value.code == 2 and "newN.ATTR=INT" in capsys.readouterr().err
