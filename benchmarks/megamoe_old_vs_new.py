@@ -68,12 +68,11 @@ def case_inputs(case: dict, seed: int):
     return preset, seed, w1, w2, x, idx, wts, dtype
 
 
-def run(args) -> dict:
+def run(args) -> None:
     import torch
     import torch.distributed as dist
 
     from cute_kernels.dist import process_group
-    from cute_kernels.runtime import provenance
 
     from megamoe.api import MegaMoE as NewMoE
 
@@ -134,11 +133,19 @@ def run(args) -> dict:
                   f"{same} (max rel diff {diff:.1e})", flush=True)
             del layers
             torch.cuda.empty_cache()
-    return {"provenance": provenance(" ".join(sys.argv)), "old_commit": exported, "settings": args.settings,
-            "rows": rows,
-            "method": f"world size 1; {args.replays} interleaved rounds of {args.calls_per_graph}-call graphs; "
-                      f"{args.pairs} alternating adjacent pairs of one-call graph replays (new - old, and old - "
-                      "old as noise); outputs copied out of the layer inside each call, in both columns"}
+            write_result(args, exported, rows)  # after every case: a call cut short keeps the cases it finished
+
+
+def write_result(args, exported: str, rows: list) -> None:
+    from cute_kernels.runtime import provenance
+
+    result = {"provenance": provenance(" ".join(sys.argv)), "old_commit": exported, "settings": args.settings,
+              "rows": rows,
+              "method": f"world size 1; {args.replays} interleaved rounds of {args.calls_per_graph}-call graphs; "
+                        f"{args.pairs} alternating adjacent pairs of one-call graph replays (new - old, and old - "
+                        "old as noise); outputs copied out of the layer inside each call, in both columns"}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def main(argv=None) -> int:
@@ -167,9 +174,7 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         p.error("needs a GPU (this compares two kernels' times)")
-    result = run(args)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    run(args)
     return 0
 
 
