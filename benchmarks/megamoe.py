@@ -552,7 +552,8 @@ def dump_row(ctx, row: dict, index: int, probes: dict, inputs) -> None:
             except Exception as e:  # noqa: BLE001 - recorded in the row
                 row["dump"][name] = {"failed": _reason(e)}
                 continue
-            meta = {"row": index, "column": name, "precision": d, "schedule": s,
+            layer = probe.ranks[0] if hasattr(probe, "ranks") else probe
+            meta = {"row": index, "column": name, "precision": d, "schedule": s, "block_n": layer.shape.block_n,
                     **{k: row[k] for k in ("shape", "world", "ranks", "tokens_per_rank", "routing", "seed")}}
             row["dump"][name] = store_dump(ctx.dumps, ctx.dump_entries, f"r{index}.{name}", arrays, meta)
 

@@ -53,8 +53,8 @@ def precision_of(dtype) -> str:
                          "\"w4a8\"") from None
 
 
-def _compiled(hidden, intermediate, top_k, num_local, instrument, precision="bf16"):
-    key = (hidden, intermediate, top_k, num_local, instrument, precision)
+def _compiled(hidden, intermediate, top_k, num_local, instrument, precision="bf16", block_n=128):
+    key = (hidden, intermediate, top_k, num_local, instrument, precision, block_n)
     if key not in _KERNELS:
         import cutlass.cute as cute  # noqa: F401  (the DSL only when a kernel is built)
         from cutlass.runtime import make_fake_stream
@@ -62,7 +62,8 @@ def _compiled(hidden, intermediate, top_k, num_local, instrument, precision="bf1
         from cute_kernels.compile import compile_kernel
         from megamoe.kernel import MegaMoEForward
 
-        k = MegaMoEForward(hidden, intermediate, top_k, num_local, instrument=instrument, precision=precision)
+        k = MegaMoEForward(hidden, intermediate, top_k, num_local, instrument=instrument, precision=precision,
+                           block_n=block_n)
         _KERNELS[key] = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True))
     return _KERNELS[key]
 
@@ -287,7 +288,9 @@ class MegaMoE:
         if not 2 <= grid <= sms:
             raise ValueError(f"num_sms must be in 2..{sms} (one CTA per SM), got {num_sms}")
         self.grid = grid - grid % 2
-        self.shape = sched.MoEShape(hidden, intermediate)
+        # the kernel's tile, from the rows a local expert expects at capacity
+        self.shape = sched.layer_shape(hidden, intermediate, self.precision, self.num_local,
+                                       self.world * max_tokens_per_rank * top_k / num_experts)
         self.lead = sched.d_lead(self.shape, self.grid) if lead is None else float(lead)
         self.lead_rows = ts.lead_rows(self.lead)
         self.m_group = sched.row_group_size(self.precision)  # the walk's row groups (RankWork.raster)
@@ -323,7 +326,8 @@ class MegaMoE:
         # W4A8's shift blocks (load_weights); the other kernels take one unused row
         self.w1_shift, self.w2_shift = (torch.zeros(1, MegaMoEForward.shift_cols(k), dtype=torch.uint16,
                                                     device=self.device) for k in (hidden, intermediate))
-        self.kernel = _compiled(hidden, intermediate, top_k, self.num_local, self.instrument, self.precision)
+        self.kernel = _compiled(hidden, intermediate, top_k, self.num_local, self.instrument, self.precision,
+                                self.shape.block_n)
         from megamoe import ops
 
         self.handle = ops.register(self)  # torch.ops.xstage.megamoe names the layer by it
@@ -512,9 +516,10 @@ class MegaMoE:
 
     def last_dump(self) -> dict:
         """The last launch's per-tile records (instrument=True) as numpy arrays, one entry per tile run:
-        cta, kind (1 = L1, 2 = L2), expert, m, n, sm, t_entry, t_data (first K block in: the wait at tile entry
-        ends), t_mma_end, t_end (the tile staged for its store warp; globaltimer ns), t_staging_wait (ns the MMA
-        side waited for the staging rows at the epilogue: the counterpart of the paper's tmem_empty wait) and
+        cta, kind (1 = L1, 2 = L2), expert, m, n (N blocks of ``shape.block_n`` columns), sm, t_entry, t_data
+        (first K block in: the wait at tile entry ends), t_mma_end, t_end (the tile staged for its store warp;
+        globaltimer ns), t_staging_wait (ns the MMA side waited for the staging rows at the epilogue: the
+        counterpart of the paper's tmem_empty wait) and
         t_rs (L2: the store warp's span from issuing the Combine rows to their read-out, clock64 cycles),
         t_store_begin / t_store_end (globaltimer ns: the store warp took the staged rows / its wait for them
         returned: read out for L2, written for L1); and ``phase_stamps`` (CTAs x megamoe.epilogue.PHASES,

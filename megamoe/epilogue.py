@@ -8,11 +8,12 @@ conversion, the shared-memory writes and, only if the store warp is still readin
 wait for the staging rows (recorded as the tile's staging wait: the Hopper counterpart of the paper's
 ``tmem_empty`` wait). The stores drain under the next mainloop: the X-stage.
 
-Staging: one 128-row buffer, rows ``STAGE_ROW`` bf16 apart (256 bytes of data and 16 of padding, so the
-accumulator layout's stmatrix and 16-bit writes hit 32 distinct banks and every row starts 16-byte aligned).
+Staging: one 128-row buffer, rows ``self.stage_row`` bf16 apart (the tile's N + 8: a row's data and 16 bytes of
+padding, so the accumulator layout's stmatrix and 16-bit writes hit 32 distinct banks and every row starts
+16-byte aligned).
 Warpgroup w owns rows [64 w, 64 w + 64); its store warp (warp 1 + w of the producer warpgroup) walks the same tile
 stream and, per tile:
-- L1: copies the valid rows' h (64 columns, bf16 or e4m3) into the intermediate, waits until they are written,
+- L1: copies the valid rows' h (N / 2 columns, bf16 or e4m3) into the intermediate, waits until they are written,
   then one release-add on ``l1_done[p]`` (the FP8 scales, stored by the MMA threads before the hand-off, are
   covered by the same release: barrier, then a cumulative fence);
 - L2: copies each valid row to its combine slot on its source rank (the Combine's remote stores), waits only
@@ -33,8 +34,7 @@ from megamoe import tile_stream as ts
 from megamoe.phases import AMAX_FLOOR, FP8_MAX, WG_THREADS, NamedBarrierMoE, scale_units
 
 BLOCK_M = 128
-BLOCK_N = 128
-STAGE_ROW = BLOCK_N + 8  # bf16 elements from one staged row to the next (272 bytes)
+GATE_COLS = 64  # each 128 columns of an L1 tile: 64 gate, then 64 up (megamoe.api's W1 layout)
 STAGING_THREADS = WG_THREADS + 32  # an MMA warpgroup and its store warp
 STORE_WARPS = 2
 # per-tile records (instrument): packed tile, smid, t_entry, t_data, t_mma_end, t_end (globaltimer ns), T_RS
@@ -100,16 +100,17 @@ class StagedEpilogueMixin:
 
     @cute.jit
     def stage_l1(self, acc, acc_h, staging, wts, wg, j, probe) -> Int64:
-        """bf16 L1 tile: h = silu(gate) * up * weight in fp32 (gate and up are the tile's columns [0, 64) and
-        [64, 128): this thread holds column c and c + 64), as bf16 rows of 64 into the staging."""
+        """bf16 L1 tile: h = silu(gate) * up * weight in fp32 (in each 128 columns of the tile gate is [0, 64)
+        and up [64, 128): this thread holds column c and c + 64), as bf16 rows of N / 2 into the staging."""
         acc_mn = layout_utils.reshape_acc_to_mn(acc)
         h_mn = layout_utils.reshape_acc_to_mn(acc_h)
-        half_cols = cute.size(h_mn, mode=[1])
+        # a thread's values of 64 columns in the accumulator's row: its 2 of every 8
+        run = GATE_COLS * cute.size(acc_mn, mode=[1]) // self.bn
         for r in cutlass.range_constexpr(cute.size(h_mn, mode=[0])):
             w = wts[r]
-            for c in cutlass.range_constexpr(half_cols):
-                g = acc_mn[r, c]
-                h_mn[r, c] = self.silu(g) * acc_mn[r, c + half_cols] * w
+            for c in cutlass.range_constexpr(cute.size(h_mn, mode=[1])):
+                g = c + (c // run) * run  # the gate value of h's column c; its up value follows one run later
+                h_mn[r, c] = self.silu(acc_mn[r, g]) * acc_mn[r, g + run] * w
         return self.stage_rows(acc_h, staging, wg, j, probe)
 
     @cute.jit
@@ -144,7 +145,7 @@ class StagedEpilogueMixin:
                 q8 = cute.make_rmem_tensor(cute.make_layout(2), self.ab_dtype)
                 q8.store(pair.load().to(self.ab_dtype))
                 cute.copy(atom16, q8, cute.make_tensor(sQ.iterator + cute.assume(
-                    tile_row * (2 * STAGE_ROW) + col, divby=2), cute.make_layout(2)))
+                    tile_row * (2 * self.stage_row) + col, divby=2), cute.make_layout(2)))
             if tidx % 4 == 0:
                 s_inter[p * (scale_units(self.hidden, I) * BLOCK_M) + n * BLOCK_M + tile_row] = scale  # scale_index
         self.staging_commit(wg)
@@ -158,8 +159,9 @@ class StagedEpilogueMixin:
         rows lane and lane + 32), as the module docstring says."""
         I, H = self.intermediate, self.hidden
         slots = max_tokens * self.top_k
-        atom_l1 = bulk_store.row_atom(self.ab_dtype, BLOCK_N // 2)
-        atom_l2 = bulk_store.row_atom(self.dtype, BLOCK_N)
+        bn = self.bn
+        atom_l1 = bulk_store.row_atom(self.ab_dtype, bn // 2)
+        atom_l2 = bulk_store.row_atom(self.dtype, bn)
         s_bytes = cute.recast_ptr(sC.iterator, dtype=cutlass.Uint8)
         dst = cute.make_rmem_tensor(cute.make_layout(2), Int64)
         t_state = ring.reader_state()
@@ -174,14 +176,14 @@ class StagedEpilogueMixin:
                 dst[i] = Int64(0)
                 if r < valid:
                     if kind == ts.KIND_L1:
-                        inter = mInter.iterator + cute.assume(Int64(row0 + r) * I + n * (BLOCK_N // 2), divby=16)
+                        inter = mInter.iterator + cute.assume(Int64(row0 + r) * I + n * (bn // 2), divby=16)
                         dst[i] = inter.toint()
                     else:
                         src = pool_src[row0 + r]
                         src_rank = src // slots
                         comb = self.peer(peer_ptrs, "combine", src_rank, world, self.dtype, 16)
-                        dst[i] = (comb + cute.assume(Int64(src - src_rank * slots) * H + n * BLOCK_N,
-                                                     divby=BLOCK_N)).toint()
+                        dst[i] = (comb + cute.assume(Int64(src - src_rank * slots) * H + n * bn,
+                                                     divby=bn)).toint()
             cute.arch.barrier(barrier_id=NamedBarrierMoE.StagingFull + wg, number_of_threads=STAGING_THREADS)
             if const_expr(self.instrument):
                 g0, ck0 = timers.now_after_barrier(s_ntok)
@@ -189,10 +191,10 @@ class StagedEpilogueMixin:
                 if dst[i] != 0:
                     row = wg * 64 + lane + 32 * i
                     if kind == ts.KIND_L1:
-                        bulk_store.issue_row(atom_l1, cute.recast_ptr(s_bytes + row * (2 * STAGE_ROW),
-                                                                      dtype=self.ab_dtype), dst[i], BLOCK_N // 2)
+                        bulk_store.issue_row(atom_l1, cute.recast_ptr(s_bytes + row * (2 * self.stage_row),
+                                                                      dtype=self.ab_dtype), dst[i], bn // 2)
                     else:
-                        bulk_store.issue_row(atom_l2, sC.iterator + row * STAGE_ROW, dst[i], BLOCK_N)
+                        bulk_store.issue_row(atom_l2, sC.iterator + row * self.stage_row, dst[i], bn)
             bulk_store.commit()
             if kind == ts.KIND_L1:
                 # the rows must be written before the row counter says so (a reader's TMA follows its acquire)

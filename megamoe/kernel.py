@@ -49,16 +49,16 @@ from quack import copy_utils, layout_utils, sm90_utils
 from cute_kernels import flags as fl
 from cute_kernels import timers
 from megamoe import tile_stream as ts
-from megamoe.epilogue import (PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STAGE_ROW, STORE_WARPS,
-                              StagedEpilogueMixin)
+from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STORE_WARPS, StagedEpilogueMixin
 from megamoe.fp8_mainloop import Fp8MainloopMixin
 from megamoe.phases import (NUM_THREADS, SCALE_PAIR, WG_THREADS, DispatchCombineMixin, NamedBarrierMoE,
                             scale_units)
+from megamoe.schedule import wide_tile_fits
 from megamoe.trial import open_trial, trial_order
 from megamoe.w4a8_dequant import SHIFT_STAGE_BYTES, SHIFT_TABLE, W4DequantMixin
 
 BLOCK_M = 128
-BLOCK_N = 128
+BLOCK_N = 128  # the FP8 tile's N and the layer's granularity; bf16 tiles may be 256 wide (schedule.block_n_for)
 # one pipeline stage's K extent: 64 bf16 or 128 FP8 elements (128 bytes, one swizzle row; for FP8 also the
 # 128-wide scale block, promoted to fp32 once per stage; W4A8 converts its packed stage into that form)
 STAGE_K = {"bf16": 64, "w8a8": 128, "w4a8": 128}
@@ -83,9 +83,13 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
     ab_stages = 5
 
     def __init__(self, hidden: int, intermediate: int, top_k: int, num_local_experts: int, max_world: int = 8,
-                 instrument: bool = False, precision: str = "bf16"):
+                 instrument: bool = False, precision: str = "bf16", block_n: int = BLOCK_N):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if block_n not in (BLOCK_N, 2 * BLOCK_N) or (
+                block_n != BLOCK_N and not wide_tile_fits(precision, hidden, intermediate, num_local_experts)):
+            raise ValueError(f"block_n={block_n}: 128, or 256 where schedule.wide_tile_fits (bf16, hidden a "
+                             "multiple of 256, at most 256 local experts); schedule.block_n_for chooses")
         for name, v in (("hidden", hidden), ("intermediate", intermediate)):
             if v <= 0 or v % BLOCK_N:
                 raise ValueError(f"{name} must be a positive multiple of {BLOCK_N}, got {v}")
@@ -98,11 +102,14 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         self.dtype = cutlass.BFloat16  # x, y, the combine rows
         self.precision, self.fp8, self.w4 = precision, precision != "bf16", precision == "w4a8"
         # W4A8's stage also holds the packed codes (8 KiB) and their shifts: 4 stages fit beside the staging
-        self.ab_stages = 4 if self.w4 else 5
+        self.bn = block_n  # the tile's N (schedule.block_n_for)
+        self.stage_row = self.bn + 8  # staged row pitch (megamoe.epilogue)
+        # a 128 x 256 bf16 stage is 48 KiB: 3 fit beside its 66 KiB staging
+        self.ab_stages = 4 if self.w4 else (3 if self.bn == 256 else 5)
         self.ab_dtype = cutlass.Float8E4M3FN if self.fp8 else cutlass.BFloat16  # the GEMM operands
         self.bk = STAGE_K[precision]
-        self.n1 = 2 * intermediate // BLOCK_N  # L1 N blocks (gate + up interleaved by 64)
-        self.n2 = hidden // BLOCK_N
+        self.n1 = 2 * intermediate // self.bn  # L1 N blocks (gate + up interleaved by 64 in each 128 rows)
+        self.n2 = hidden // self.bn
         self.k1 = hidden // self.bk
         self.k2 = intermediate // self.bk
         # the two MMA warpgroups split each tile, 64 rows each (a pingpong split, a whole tile per warpgroup,
@@ -170,20 +177,26 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         ab = self.ab_dtype
         mma = sm90_helpers.make_trivial_tiled_mma(
             ab, ab, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=atoms, tiler_mn=(64, BLOCK_N))
+            atom_layout_mnk=atoms, tiler_mn=(64, self.bn))
         mma_half = sm90_helpers.make_trivial_tiled_mma(
             ab, ab, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=atoms, tiler_mn=(64, BLOCK_N // 2))
+            atom_layout_mnk=atoms, tiler_mn=(64, self.bn // 2))
         sA_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_M, self.bk), self.ab_stages)
-        sB_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_N, self.bk), self.ab_stages)
+        sB_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (self.bn, self.bk), self.ab_stages)
         # staging (megamoe.epilogue): 128 padded rows; an L1 tile's h uses each row's first 64 columns
-        sC_layout = cute.make_layout((BLOCK_M, BLOCK_N), stride=(STAGE_ROW, 1))
-        sH_layout = cute.make_layout((BLOCK_M, BLOCK_N // 2), stride=(STAGE_ROW, 1))
+        sC_layout = cute.make_layout((BLOCK_M, self.bn), stride=(self.stage_row, 1))
+        sH_layout = cute.make_layout((BLOCK_M, self.bn // 2), stride=(self.stage_row, 1))
         op = cpasync.CopyBulkTensorTileG2SOp()
         one_a = cute.select(sA_layout, mode=[0, 1])
         one_b = cute.select(sB_layout, mode=[0, 1])
         tma_x, gX = cpasync.make_tiled_tma_atom(op, mPool, one_a, (BLOCK_M, self.bk))
         tma_h, gH = cpasync.make_tiled_tma_atom(op, mInter, one_a, (BLOCK_M, self.bk))
+        # an expert's last tile with at most 64 tokens: only the first warpgroup's 64 rows of A are loaded (the
+        # second warpgroup drains that tile), so its stages move 8 KiB less (load_tile)
+        one_a_half = cute.select(sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (self.wg_rows, self.bk), 1),
+                                 mode=[0, 1])
+        tma_x_half, gX_half = cpasync.make_tiled_tma_atom(op, mPool, one_a_half, (self.wg_rows, self.bk))
+        tma_h_half, gH_half = cpasync.make_tiled_tma_atom(op, mInter, one_a_half, (self.wg_rows, self.bk))
         one_s = cute.make_layout((1, SHIFT_STAGE_BYTES // 2), stride=(SHIFT_STAGE_BYTES // 2, 1))
         tma_s1, gS1 = cpasync.make_tiled_tma_atom(op, mS1, one_s, (1, SHIFT_STAGE_BYTES // 2))
         tma_s2, gS2 = cpasync.make_tiled_tma_atom(op, mS2, one_s, (1, SHIFT_STAGE_BYTES // 2))
@@ -201,12 +214,12 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             tma_w2, gW2 = cpasync.make_tiled_tma_atom(op, mW2, one_p, (BLOCK_N, self.bk // 2))
             tx = cute.size_in_bytes(ab, one_a) + BLOCK_N * self.bk // 2 + SHIFT_STAGE_BYTES
         else:
-            tma_w1, gW1 = cpasync.make_tiled_tma_atom(op, mW1, one_b, (BLOCK_N, self.bk))
-            tma_w2, gW2 = cpasync.make_tiled_tma_atom(op, mW2, one_b, (BLOCK_N, self.bk))
+            tma_w1, gW1 = cpasync.make_tiled_tma_atom(op, mW1, one_b, (self.bn, self.bk))
+            tma_w2, gW2 = cpasync.make_tiled_tma_atom(op, mW2, one_b, (self.bn, self.bk))
             tx = cute.size_in_bytes(ab, one_a) + cute.size_in_bytes(ab, one_b)
         if const_expr(self.fp8):
             tx = tx + SCALE_PAIR * 4 + 16
-        w4_stages = self.ab_stages if self.w4 else 1
+        w4_stages = self.ab_stages if self.w4 else 0
         sc_stages = self.ab_stages if self.fp8 else 1
         E = self.num_local_experts
 
@@ -220,17 +233,21 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             owner_off: cute.struct.MemRange[Int32, self.max_world * E]  # every owner's O_e (Dispatch)
             sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sB_layout)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, BLOCK_M * STAGE_ROW], 1024]
-            # W4A8: the packed codes and shifts of each stage, and the shift table (one stage's worth otherwise)
-            sP: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK_N * self.bk // 2 * w4_stages], 1024]
-            sS: cute.struct.Align[cute.struct.MemRange[cutlass.Uint16, SHIFT_STAGE_BYTES // 2 * w4_stages], 128]
+            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, BLOCK_M * self.stage_row], 1024]
+            # W4A8: the packed codes and shifts of each stage, and the shift table (16 bytes otherwise)
+            sP: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, max(BLOCK_N * self.bk // 2 * w4_stages, 16)],
+                                  1024]
+            sS: cute.struct.Align[cute.struct.MemRange[cutlass.Uint16, max(SHIFT_STAGE_BYTES // 2 * w4_stages, 8)],
+                                  128]
             lut: cute.struct.Align[cute.struct.MemRange[Int32, len(SHIFT_TABLE)], 16]
             # FP8: each stage's activation scales (a pair of 128-row units) and weight scales (16 bytes)
             sSA: cute.struct.Align[cute.struct.MemRange[Float32, SCALE_PAIR * sc_stages], 128]
             sSB: cute.struct.Align[cute.struct.MemRange[Float32, SB_STAGE * sc_stages], 128]
 
+        self.smem_bytes = SharedStorage.size_in_bytes()  # traced once; the CPU tests check it fits an SM
         self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
                     peer_ptrs, epoch, done, errors, records, trial, s_inter_flat, gX, gH, gW1, gW2, tma_x, tma_h,
+                    gX_half, gH_half, tma_x_half, tma_h_half,
                     tma_w1, tma_w2, gS1, gS2, tma_s1, tma_s2, gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2,
                     sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
                     trial_mode, experts_per_wave, lead, m_group, timeout_ns, rec_cap, SharedStorage).launch(
@@ -240,7 +257,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
     @cute.kernel
     def kernel(self, mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
                peer_ptrs, epoch, done, errors, records, trial, s_inter, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
-               tma_h: cute.CopyAtom, tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, gS1, gS2, tma_s1: cute.CopyAtom,
+               tma_h: cute.CopyAtom, gX_half, gH_half, tma_x_half: cute.CopyAtom, tma_h_half: cute.CopyAtom,
+               tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, gS1, gS2, tma_s1: cute.CopyAtom,
                tma_s2: cute.CopyAtom, gSA1, gSA2, gSB1, gSB2, tma_sa1: cute.CopyAtom, tma_sa2: cute.CopyAtom,
                tma_sb1: cute.CopyAtom, tma_sb2: cute.CopyAtom, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, sH_layout: cute.Layout,
@@ -252,7 +270,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         if warp_idx == 0:
-            for atom in (tma_x, tma_h, tma_w1, tma_w2):
+            for atom in (tma_x, tma_h, tma_x_half, tma_h_half, tma_w1, tma_w2):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(self.w4):
                 for atom in (tma_s1, tma_s2):
@@ -301,9 +319,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
-                self.load(gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, (gS1, gS2, tma_s1, tma_s2),
-                          (gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2), storage, sA_layout,
-                          sB_layout, pipe, ring, bidx, l1_done, errors, timeout_ns)
+                self.load(gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, (gX_half, gH_half, tma_x_half, tma_h_half),
+                          (gS1, gS2, tma_s1, tma_s2), (gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2),
+                          storage, sA_layout, sB_layout, pipe, tx, ring, bidx, l1_done, errors, timeout_ns)
             elif warp_idx <= STORE_WARPS:
                 self.store_walk(storage.sC.get_tensor(sC_layout), mInter, pool_src, peer_ptrs, records, ring,
                                 s_row_off, bidx, s_ntok, l1_done, world, max_tokens, rec_cap, warp_idx - 1, tidx % 32)
@@ -331,12 +349,18 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
 
     # ---------------------------------------------------------------- phase 3: the producer warp
     @cute.jit
-    def load(self, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, shifts, stage_scales, storage, sA_layout,
-             sB_layout, pipe, ring, bidx, l1_done, errors, timeout_ns):
+    def load(self, gX, gH, gW1, gW2, tma_x, tma_h, tma_w1, tma_w2, a_half, shifts, stage_scales, storage,
+             sA_layout, sB_layout, pipe, tx: cutlass.Constexpr, ring, bidx, l1_done, errors, timeout_ns):
         """Per tile of the walk: (L2) wait for its row's L1 half-tiles, then its K blocks of A and B (W4A8: B's
         packed codes and shifts; FP8: each block's activation and weight scales)."""
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        # each stage's first 64 rows of A: the destination of a half tile's A box
+        sA_half = cute.flat_divide(sA, (self.wg_rows, self.bk))[None, None, 0, 0, None]
+        gX_half, gH_half, tma_x_half, tma_h_half = a_half
+        E = self.num_local_experts
+        s_row_off = storage.row_off.get_tensor(cute.make_layout(E + 1))
+        s_ntok = storage.n_tok.get_tensor(cute.make_layout(E))
         gS1, gS2, tma_s1, tma_s2 = shifts
         sS = None
         if const_expr(self.w4):
@@ -359,35 +383,44 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         t_state = ring.reader_state()
         found, kind, p, n, e, t_state = ring.read(t_state)
         while found != 0:
+            # the tile's rows hold at most 64 tokens: the second MMA warpgroup drains it (MegaMoEForward.mma)
+            half = s_ntok[e] - (p - s_row_off[e]) * BLOCK_M <= self.wg_rows
             if kind == ts.KIND_L1:
                 # the pool's scale pair of block kb: row p * units / 2 + kb // 2; the weight scales of the gate
                 # and up blocks of this N-block pair: row e * I/128 + n // 2
-                state = self.load_tile(tma_x, gX, tma_w1, gW1, p, e * self.n1 + n, sA, sB, self.k1, pipe, state,
-                                       (tma_s1, gS1, sS), sc1, (p * (units // 2), True,
-                                                                e * (self.intermediate // 128) + n // 2))
+                state = self.load_tile((tma_x, gX, tma_x_half, gX_half, half), tma_w1, gW1, p, e * self.n1 + n,
+                                       (sA, sA_half), sB, self.k1, pipe, tx, state, (tma_s1, gS1, sS), sc1,
+                                       (p * (units // 2), True, e * (self.intermediate // 128) + n // 2))
             else:
                 fl.wait_geq(l1_done, p, Int32(self.l1_arrivals), timeout_ns, errors, Int32(ERR_L1_TIMEOUT), bidx,
                             "gpu", 0, True)
                 # the intermediate was written by generic-proxy stores; TMA reads through the async proxy
                 cute.arch.fence_proxy("async.global")
-                state = self.load_tile(tma_h, gH, tma_w2, gW2, p, e * self.n2 + n, sA, sB, self.k2, pipe, state,
-                                       (tma_s2, gS2, sS), sc2, (p * (units // 2), False, e * self.n2 + n))
+                state = self.load_tile((tma_h, gH, tma_h_half, gH_half, half), tma_w2, gW2, p, e * self.n2 + n,
+                                       (sA, sA_half), sB, self.k2, pipe, tx, state, (tma_s2, gS2, sS), sc2,
+                                       (p * (units // 2), False, e * self.n2 + n))
             found, kind, p, n, e, t_state = ring.read(t_state)
         pipe.producer_tail(state)
 
     @cute.jit
-    def load_tile(self, tma_a, gA, tma_b, gB, a_block, b_block, sA, sB, n_kb: cutlass.Constexpr, pipe, state,
-                  shifts, stage_scales, scale_rows):
+    def load_tile(self, a_src, tma_b, gB, a_block, b_block, sA_pair, sB, n_kb: cutlass.Constexpr, pipe,
+                  tx: cutlass.Constexpr, state, shifts, stage_scales, scale_rows):
         """One tile's ``n_kb`` K blocks: A's 128-row block ``a_block`` and B's ``b_block`` into the pipeline
         (W4A8: B's packed codes and, from ``shifts``, the block's shift bytes; FP8: from ``stage_scales`` block
         kb's activation scale pair, row ``row0 + kb`` (``row0 + kb // 2`` where ``halve``: L1, whose 1 x 128
         scales pair two blocks) and its weight scales, block kb of row ``b_row``: ``scale_rows`` = (row0,
-        halve, b_row))."""
+        halve, b_row)). ``a_src`` = (A's atom and tensor, their 64-row forms, ``half``: only A's first 64 rows,
+        into ``sA_pair``'s second tensor, each stage expecting 8 KiB fewer bytes)."""
+        tma_a, gA, tma_a_half, gA_half, half = a_src
+        sA, sA_half = sA_pair
         load_a, _, _ = copy_utils.tma_get_copy_fn(tma_a, 0, cute.make_layout(1), cute.local_tile(
             gA, (BLOCK_M, self.bk), (a_block, None)), sA)
+        load_a_half, _, _ = copy_utils.tma_get_copy_fn(tma_a_half, 0, cute.make_layout(1), cute.local_tile(
+            gA_half, (self.wg_rows, self.bk), (2 * a_block, None)), sA_half)
+        tx_half = tx - self.wg_rows * 128  # one stage row of A is 128 bytes in every precision
         b_k = self.bk // 2 if const_expr(self.w4) else self.bk
         load_b, _, _ = copy_utils.tma_get_copy_fn(tma_b, 0, cute.make_layout(1), cute.local_tile(
-            gB, (BLOCK_N, b_k), (b_block, None)), sB)
+            gB, (self.bn, b_k), (b_block, None)), sB)
         load_s = None
         if const_expr(self.w4):
             tma_s, gS, sS = shifts
@@ -402,8 +435,13 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             load_sb, _, _ = copy_utils.tma_get_copy_fn(tma_sb, 0, cute.make_layout(1), cute.local_tile(
                 gSB, (1, 4), (b_row, None)), sSB)
         for kb in cutlass.range(n_kb, unroll=1):
-            pipe.producer_acquire(state)
-            load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
+            if half:
+                pipe.sync_object_empty.wait(state.index, state.phase)
+                pipe.sync_object_full.arrive_and_expect_tx(state.index, tx_half)
+                load_a_half(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
+            else:
+                pipe.producer_acquire(state)
+                load_a(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
             load_b(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
             if const_expr(self.w4):
                 load_s(src_idx=kb, dst_idx=state.index, tma_bar_ptr=pipe.producer_get_barrier(state))
@@ -464,11 +502,11 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         sC = storage.sC.get_tensor(sC_layout)
         sH = storage.sC.get_tensor(sH_layout)  # a view of sC: each row's first 64 columns
         sQ = cute.make_tensor(cute.recast_ptr(sC.iterator, dtype=self.ab_dtype),
-                              cute.make_layout((BLOCK_M, BLOCK_N // 2), stride=(2 * STAGE_ROW, 1)))  # FP8 h
+                              cute.make_layout((BLOCK_M, self.bn // 2), stride=(2 * self.stage_row, 1)))  # FP8 h
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_mma = mma.get_slice(wg * WG_THREADS)
         wg_half = mma_half.get_slice(wg * WG_THREADS)
-        acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(wg_mma, (BLOCK_M, BLOCK_N, self.bk), sA, sB)
+        acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(wg_mma, (BLOCK_M, self.bn, self.bk), sA, sB)
         blks, dq = None, None
         if const_expr(self.w4):  # megamoe.w4a8_dequant: packed words, shift pairs, table, e4m3 B words, thread
             dq = (cute.recast_ptr(storage.sP.data_ptr(), dtype=Int32),
@@ -483,7 +521,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                             storage.sSB.get_tensor(cute.make_layout((4, S), stride=(1, SB_STAGE))))
         arow = cute.make_rmem_tensor(cute.make_layout(cute.size(layout_utils.reshape_acc_to_mn(acc), mode=[0])),
                                      Int32)  # FP8: this thread's rows in the tile, for the activation scales
-        acc_h = cute.make_rmem_tensor(wg_half.partition_shape_C((BLOCK_M, BLOCK_N // 2)), Float32)
+        acc_h = cute.make_rmem_tensor(wg_half.partition_shape_C((BLOCK_M, self.bn // 2)), Float32)
         st_atom = copy_utils.get_smem_store_atom(self.dtype)
         thr_c = cute.make_tiled_copy_C(st_atom, mma).get_slice(tidx)
         thr_h = cute.make_tiled_copy_C(st_atom, mma_half).get_slice(tidx)
@@ -491,7 +529,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         staging_h = (st_atom, thr_h, thr_h.partition_D(sH))
         # this thread's accumulator rows (within the 128-row tile), for the router weight
         rows_c = layout_utils.reshape_acc_to_mn(mma.get_slice(tidx).partition_C(
-            cute.make_identity_tensor((BLOCK_M, BLOCK_N))))
+            cute.make_identity_tensor((BLOCK_M, self.bn))))
         wts = cute.make_rmem_tensor(cute.make_layout(cute.size(rows_c, mode=[0])), Float32)  # L1: router weights
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         t_state = ring.reader_state()

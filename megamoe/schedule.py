@@ -321,6 +321,45 @@ def row_group_size(precision: str) -> int:
     return 2
 
 
+# Local experts up to which a 128 x 256 bf16 tile's shared memory (3 stages of 48 KiB, 66 KiB of staging) leaves
+# room for the kernel's per-expert tables (megamoe.kernel: 228 KiB of the 227 KiB opt-in at 256, max_world 8)
+WIDE_TILE_MAX_LOCAL_EXPERTS = 256
+# Rows a local expert expects at the layer's capacity from which bf16 runs 128 x 256 tiles. Measured on H100 by
+# adjacent pairs against 128 x 128 (docs/FINDINGS.md, megamoe_bf16_wide*_old_vs_new_a64160d.json): Qwen3-MoE
+# 8192 tokens (512 rows) -13.5% balanced, -16% skewed; at 256 rows and fewer the wide tile's 3 stages (5 at
+# 128 x 128) cost more than its A reuse saves: Qwen3-MoE 4096 +4%, DSv4-Flash 8192 (192 rows) +3.7%, 1024 +6%.
+WIDE_TILE_MIN_ROWS_PER_EXPERT = 384
+
+
+def wide_tile_fits(precision: str, hidden: int, intermediate: int, num_local_experts: int) -> bool:
+    """Whether the kernel can run a layer in 128 x 256 tiles: bf16 (FP8's promotion accumulators fill the
+    registers at 128 x 128), hidden a multiple of 256 (2 * intermediate always is) and at most
+    WIDE_TILE_MAX_LOCAL_EXPERTS local experts (shared memory)."""
+    if precision not in ("bf16", "w8a8", "w4a8"):
+        raise ValueError(f"precision must be bf16, w8a8 or w4a8, got {precision!r}")
+    return (precision == "bf16" and hidden % 256 == 0 and intermediate % 128 == 0
+            and num_local_experts <= WIDE_TILE_MAX_LOCAL_EXPERTS)
+
+
+def block_n_for(precision: str, hidden: int, intermediate: int, num_local_experts: int,
+                rows_per_expert: float) -> int:
+    """The kernel's tile N for a layer: 256 where :func:`wide_tile_fits` and a local expert expects at least
+    WIDE_TILE_MIN_ROWS_PER_EXPERT rows at the layer's capacity (``rows_per_expert`` = world x
+    max_tokens_per_rank x top_k / num_experts), else 128. A 128 x 256 bf16 tile reads one A block for twice the
+    columns: 25% fewer L2-to-SM bytes per FLOP, the resource the mainloop is short of (docs/HISTORY.md 23),
+    which pays where an expert has several M blocks to share its weights' reads."""
+    wide = (wide_tile_fits(precision, hidden, intermediate, num_local_experts)
+            and rows_per_expert >= WIDE_TILE_MIN_ROWS_PER_EXPERT)
+    return 256 if wide else BLOCK_N
+
+
+def layer_shape(hidden: int, intermediate: int, precision: str, num_local_experts: int,
+                rows_per_expert: float) -> MoEShape:
+    """The layer's shape with the tile the kernel uses (:func:`block_n_for`)."""
+    return MoEShape(hidden, intermediate,
+                    block_n=block_n_for(precision, hidden, intermediate, num_local_experts, rows_per_expert))
+
+
 def wave_order_ring_slots_needed(work: RankWork, experts_per_wave: int) -> int:
     """The fewest ring slots with which the wave order cannot deadlock: a wave's L1 rows must not wait for
     slots that only the same wave's L2 tiles (later in every stream) free, so the ring holds a whole wave."""

@@ -9,8 +9,10 @@ import torch
 
 pytest.importorskip("cutlass")
 
-# (hidden, intermediate, top_k, local experts): DSv4-Flash at one rank; DiT-MoE (9 L2 N blocks: odd)
-SHAPES = [(4096, 2048, 6, 256), (1152, 4608, 2, 8)]
+# (hidden, intermediate, top_k, local experts, tile N): DSv4-Flash's at one rank in 128 x 256 tiles (the most
+# shared memory), DiT-MoE's in 128 x 128 (9 L2 N blocks: odd)
+SHAPES = [(4096, 2048, 6, 256, 256), (1152, 4608, 2, 8, 128)]
+FP8_SHAPES = [shape[:4] for shape in SHAPES]  # FP8 tiles are 128 x 128 (schedule.block_n_for)
 
 
 def _compile(tmp_path, *shape, instrument=False):
@@ -19,7 +21,8 @@ def _compile(tmp_path, *shape, instrument=False):
     from cute_kernels.compile import compile_kernel
     from megamoe.kernel import MegaMoEForward
 
-    k = MegaMoEForward(*shape, instrument=instrument)
+    *layer, block_n = shape
+    k = MegaMoEForward(*layer, instrument=instrument, block_n=block_n)
     return compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
 
 
@@ -46,8 +49,9 @@ def test_kernel_is_wgmma_with_128_bit_stores_and_no_spills(tmp_path, shape, inst
     from cute_kernels.compile import sass
 
     c = _compile(tmp_path, *shape, instrument=instrument)
-    # the mainloop: 4 k16 WGMMAs per 64-wide K block of a 64 x 128 warpgroup tile, peeled first block + loop
-    assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16") == 8
+    bn = shape[-1]
+    # the mainloop: 4 k16 WGMMAs per 64-wide K block of a 64 x N warpgroup tile, peeled first block + loop
+    assert c.ptx_count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16") == 8
     assert c.ptx_count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global") >= 4  # A and B, L1 and L2
     # Dispatch's pushed rows and y: 128-bit stores; the intermediate and the Combine rows leave the staging by
     # bulk row copies from the store warps (L1 and L2, two rows per lane), which the MMA warpgroups hand over
@@ -61,15 +65,15 @@ def test_kernel_is_wgmma_with_128_bit_stores_and_no_spills(tmp_path, shape, inst
     text = sass(c.cubin)
     if text is None:
         pytest.skip("no nvdisasm on this machine (it comes with triton): cannot read the SASS")
-    assert text.count("HGMMA.64x128x16.F32.BF16") == 8, "WGMMA in the SASS"
+    assert text.count(f"HGMMA.64x{bn}x16.F32.BF16") == 8, "WGMMA in the SASS"
     # ptxas serializes every WGMMA (a wait after each, warning C7514) when other instructions read an
     # accumulator in flight; then there is one WARPGROUP.DEPBAR per WGMMA instead of one per wait
-    assert text.count("WARPGROUP.DEPBAR") < text.count("HGMMA.64x128x16.F32.BF16"), "WGMMA serialized"
+    assert text.count("WARPGROUP.DEPBAR") < text.count(f"HGMMA.64x{bn}x16.F32.BF16"), "WGMMA serialized"
     no_spills(c.ptx)
 
 
 @pytest.mark.parametrize("instrument", [False, True])
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", FP8_SHAPES)
 def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, instrument, no_spills):
     """W8A8: e4m3 WGMMA (QGMMA in the SASS) in one mainloop for L1 and L2 (each 128-wide K block in two halves of
     2 k32 steps, each half its own accumulator, L1 in whole blocks, L2 in halves; each promoted under the next
@@ -104,9 +108,9 @@ def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, inst
         pytest.skip("no nvdisasm on this machine (it comes with triton): cannot read the SASS")
     assert text.count("QGMMA.64x128x32.F32.E4M3.E4M3") == n_wgmma, "FP8 WGMMA in the SASS"
     assert text.count("WARPGROUP.DEPBAR") < text.count("QGMMA.64x128x32.F32.E4M3.E4M3"), "WGMMA serialized"
-    # the scales come with each stage: per kind (L1, L2) the TMA loads of A, B, the activation scale pair and
-    # the weight scales (the bf16 kernel has A and B only)
-    assert text.count("UTMALDG") == 8, "the scales by TMA with their stage"
+    # the scales come with each stage: per kind (L1, L2) the TMA loads of A (its 128-row box and the 64-row box of
+    # a tile with at most 64 tokens), B, the activation scale pair and the weight scales
+    assert text.count("UTMALDG") == 10, "the scales by TMA with their stage"
     # the promotions run under WGMMAs: inside a group, 64 FFMAs (a 64 x 128 warpgroup's accumulator) sit between
     # a wait that leaves one WGMMA group in flight and the next QGMMA issue: every unit but a group's last two
     covered = _ffma_runs_under_wgmma(text)
@@ -114,7 +118,7 @@ def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, inst
     no_spills(c.ptx)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", FP8_SHAPES)
 def test_w4a8_kernel_converts_in_shared_memory_then_runs_the_w8a8_mainloop(tmp_path, shape, no_spills):
     """W4A8: the W8A8 mainloop's e4m3 WGMMAs, unserialized, each stage's B block converted first (one block
     ahead): 32 byte permutes a thread (8 words of E2M1 codes through its runs' tables), shared loads of the
@@ -171,6 +175,39 @@ def test_peer_table_rows_agree():
         precision_of(torch.float16)
 
 
+@pytest.mark.parametrize("precision,hidden,intermediate,num_experts,top_k,tokens,world,bn", [
+    ("bf16", 4096, 1536, 128, 8, 8192, 1, 256),   # Qwen3-MoE 8192 tokens: 512 rows per expert
+    ("bf16", 4096, 1536, 128, 8, 4096, 1, 128),   # 256 rows
+    ("bf16", 4096, 1536, 128, 8, 4096, 2, 256),   # EP 2: each local expert takes rows from both ranks
+    ("bf16", 4096, 2048, 256, 6, 8192, 1, 128),   # DSv4-Flash 8192 tokens: 192 rows
+    ("bf16", 1152, 4608, 8, 2, 8192, 1, 128),     # DiT-MoE: hidden not a multiple of 256
+    ("w8a8", 4096, 1536, 128, 8, 8192, 1, 128),   # FP8 stays 128 x 128
+    ("bf16", 4096, 1536, 514, 8, 65536, 1, 128),  # more local experts than the wide tile's shared memory holds
+])
+def test_block_n_for(precision, hidden, intermediate, num_experts, top_k, tokens, world, bn):
+    from megamoe.schedule import block_n_for, layer_shape
+
+    rows = world * tokens * top_k / num_experts
+    assert block_n_for(precision, hidden, intermediate, num_experts // world, rows) == bn
+    assert layer_shape(hidden, intermediate, precision, num_experts // world, rows).l2_n_blocks == hidden // bn
+
+
+@pytest.mark.parametrize("local_experts,precision,bn", [(256, "bf16", 256), (257, "bf16", 128), (512, "w8a8", 128)])
+def test_tile_n_and_shared_memory_fit_the_sm(tmp_path, local_experts, precision, bn):
+    """The kernel's shared memory at max_world 8 within the H100/H200 opt-in limit (227 KiB), which only a
+    launch would otherwise tell: the 128 x 256 bf16 tile up to 256 local experts, 128 x 128 beyond."""
+    from cutlass.runtime import make_fake_stream
+
+    from cute_kernels.compile import compile_kernel
+    from megamoe.kernel import MegaMoEForward
+
+    k = MegaMoEForward(4096, 2048, 6, local_experts, precision=precision, block_n=bn)
+    assert k.bn == bn
+    compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
+    print(f"{precision} N {bn}, {local_experts} local experts: {k.smem_bytes} bytes of shared memory")
+    assert 0 < k.smem_bytes <= 227 * 1024
+
+
 def test_constructor_refusals():
     from megamoe.kernel import MegaMoEForward
 
@@ -180,6 +217,11 @@ def test_constructor_refusals():
         MegaMoEForward(1024, 512, 0, 8)
     with pytest.raises(ValueError, match="precision"):
         MegaMoEForward(1024, 512, 2, 8, precision="fp16")
+    for args, kw in (((1024, 512, 2, 8), {"precision": "w8a8", "block_n": 256}),
+                     ((1024, 512, 2, 257), {"block_n": 256}), ((1152, 512, 2, 8), {"block_n": 256}),
+                     ((1024, 512, 2, 8), {"block_n": 64})):
+        with pytest.raises(ValueError, match="block_n"):
+            MegaMoEForward(*args, **kw)
 
 
 def test_transform_weights_interleaves_gate_and_up_by_64(seed):

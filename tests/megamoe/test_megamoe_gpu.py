@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.gpu,
 
 SMALL = dict(hidden=1152, intermediate=512)  # 9 L2 N blocks: the interleaved order's odd-count pair slot
 PAIRED = 1024  # a hidden size of 8 L2 N blocks: FP8 kernels run CTA pairs that multicast A (MegaMoEForward.cluster_n)
+WIDE = 1024  # a hidden size bf16 runs in 128 x 256 tiles (4 L1 and 4 L2 N blocks of 256) at _wide_capacity
 
 
 def _weights(num_experts, hidden, intermediate, seed):
@@ -83,21 +84,34 @@ def _close(y, ref, what, rel_tol=1e-2, worst_tol=3e-2):
     assert rel <= rel_tol and worst <= worst_tol, f"{what}: relative error {rel:.3g}, worst {worst:.3g}"
 
 
+def _wide_capacity(num_experts, top_k, world=1):
+    """The max_tokens_per_rank from which a bf16 layer runs 128 x 256 tiles (schedule.block_n_for)."""
+    from megamoe.schedule import WIDE_TILE_MIN_ROWS_PER_EXPERT
+
+    return -(-WIDE_TILE_MIN_ROWS_PER_EXPERT * num_experts // (top_k * world))
+
+
 def _layer(num_experts, top_k, tokens, hidden=SMALL["hidden"], **kw):
+    """A world-1 layer with room for ``tokens``; at hidden WIDE, room for the wide tile's capacity."""
     from megamoe.api import MegaMoE
 
-    return MegaMoE(None, num_experts, top_k, hidden, SMALL["intermediate"], max_tokens_per_rank=max(tokens, 1), **kw)
+    cap = max(tokens, 1, _wide_capacity(num_experts, top_k) if hidden == WIDE else 1)
+    return MegaMoE(None, num_experts, top_k, hidden, SMALL["intermediate"], max_tokens_per_rank=cap, **kw)
 
 
-@pytest.mark.parametrize("tokens,num_experts,top_k,mode,drop", [
-    (300, 8, 2, "balanced", 0.0), (1000, 8, 2, "skewed", 0.0), (127, 16, 1, "balanced", 0.0),
-    (129, 16, 6, "skewed", 0.1), (513, 16, 8, "balanced", 0.0), (200, 8, 2, "one_expert", 0.0),
-    (1, 8, 2, "balanced", 0.0)])
-def test_world1_matches_reference_both_schedules_bit_equal(seed, tokens, num_experts, top_k, mode, drop):
-    moe = _layer(num_experts, top_k, tokens)
-    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+@pytest.mark.parametrize("tokens,num_experts,top_k,mode,drop,hidden", [
+    (300, 8, 2, "balanced", 0.0, 1152), (1000, 8, 2, "skewed", 0.0, 1152), (127, 16, 1, "balanced", 0.0, 1152),
+    (129, 16, 6, "skewed", 0.1, 1152), (513, 16, 8, "balanced", 0.0, 1152), (200, 8, 2, "one_expert", 0.0, 1152),
+    (1, 8, 2, "balanced", 0.0, 1152), (300, 8, 2, "balanced", 0.0, WIDE), (129, 16, 6, "skewed", 0.1, WIDE),
+    (200, 8, 2, "one_expert", 0.0, WIDE), (1, 8, 2, "balanced", 0.0, WIDE)])
+def test_world1_matches_reference_both_schedules_bit_equal(seed, tokens, num_experts, top_k, mode, drop, hidden):
+    """bf16 against the reference; both schedules, row groups and a second launch the same bits (hidden 1024:
+    128 x 256 tiles, schedule.block_n_for)."""
+    moe = _layer(num_experts, top_k, tokens, hidden=hidden)
+    assert moe.shape.block_n == (256 if hidden == WIDE else 128)
+    w1, w2 = _weights(num_experts, hidden, SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
-    x, idx, w = _inputs(tokens, num_experts, top_k, mode, seed, SMALL["hidden"], drop)
+    x, idx, w = _inputs(tokens, num_experts, top_k, mode, seed, hidden, drop)
     ref = _reference(x, idx, w, w1, w2)
     ys = {}
     for schedule in ("wave", "interleaved", "wave"):  # twice "wave": a second launch reuses every buffer
@@ -117,16 +131,18 @@ def test_world1_matches_reference_both_schedules_bit_equal(seed, tokens, num_exp
             assert torch.equal(y, ys["wave"][0]), f"m_group={m_group} {schedule} differs (seed={seed})"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_emulated_ranks_match_reference(seed, world):
+@pytest.mark.parametrize("world,hidden", [(2, 1152), (4, 1152), (2, WIDE)])
+def test_emulated_ranks_match_reference(seed, world, hidden):
     from megamoe.api import EmulatedMoE
 
     num_experts, top_k = 16, 2
     tokens = [333, 0, 200, 129][:world]  # rank 1 has no tokens
-    moe = EmulatedMoE(world, num_experts, top_k, SMALL["hidden"], SMALL["intermediate"], max_tokens_per_rank=400)
-    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    cap = _wide_capacity(num_experts, top_k, world) if hidden == WIDE else 400
+    moe = EmulatedMoE(world, num_experts, top_k, hidden, SMALL["intermediate"], max_tokens_per_rank=cap)
+    assert moe.ranks[0].shape.block_n == (256 if hidden == WIDE else 128)
+    w1, w2 = _weights(num_experts, hidden, SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
-    ins = [_inputs(t, num_experts, top_k, "skewed", seed + r, SMALL["hidden"]) for r, t in enumerate(tokens)]
+    ins = [_inputs(t, num_experts, top_k, "skewed", seed + r, hidden) for r, t in enumerate(tokens)]
     for schedule in ("interleaved", "wave", "interleaved"):
         ys = moe.forward([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins], schedule)
         torch.cuda.synchronize()
@@ -136,19 +152,19 @@ def test_emulated_ranks_match_reference(seed, world):
                 _close(y, _reference(x, idx, w, w1, w2), f"rank {r}/{world} {schedule} seed={seed}")
 
 
-@pytest.mark.parametrize("m_group", [1, 2, 3])
+@pytest.mark.parametrize("m_group,hidden", [(1, 1152), (2, 1152), (3, 1152), (2, WIDE)])
 @pytest.mark.parametrize("schedule", ["wave", "interleaved"])
-def test_instrumented_tile_order_is_the_schedule(seed, schedule, m_group):
+def test_instrumented_tile_order_is_the_schedule(seed, schedule, m_group, hidden):
     """The kernel's per-CTA tile order (its records) is megamoe.schedule's stream, tile for tile, for row groups
     of 1, 2 and 3 M blocks (3 leaves partial groups: the skewed experts have 1 to 9 M blocks)."""
     from megamoe import schedule as sched
 
     num_experts, top_k, tokens = 8, 2, 1500
-    moe = _layer(num_experts, top_k, tokens, instrument=True)
+    moe = _layer(num_experts, top_k, tokens, hidden=hidden, instrument=True)
     moe.m_group = m_group
-    w1, w2 = _weights(num_experts, SMALL["hidden"], SMALL["intermediate"], seed)
+    w1, w2 = _weights(num_experts, hidden, SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
-    x, idx, w = _inputs(tokens, num_experts, top_k, "skewed", seed, SMALL["hidden"])
+    x, idx, w = _inputs(tokens, num_experts, top_k, "skewed", seed, hidden)
     y = moe.forward(x, idx, w, schedule)
     moe.check_errors()
     _close(y, _reference(x, idx, w, w1, w2), f"instrumented {schedule}")
