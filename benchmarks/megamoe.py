@@ -166,6 +166,11 @@ class RankLists:
     def __init__(self, emulated, world: int):
         self.emulated, self.world = emulated, world
 
+    @property
+    def shape(self):
+        """The ranks' layer shape (one layer: every rank's is the same)."""
+        return self.emulated.ranks[0].shape
+
     def load_weights(self, w1, w2):
         self.emulated.load_weights(w1, w2)
 
@@ -552,8 +557,7 @@ def dump_row(ctx, row: dict, index: int, probes: dict, inputs) -> None:
             except Exception as e:  # noqa: BLE001 - recorded in the row
                 row["dump"][name] = {"failed": _reason(e)}
                 continue
-            layer = probe.ranks[0] if hasattr(probe, "ranks") else probe
-            meta = {"row": index, "column": name, "precision": d, "schedule": s, "block_n": layer.shape.block_n,
+            meta = {"row": index, "column": name, "precision": d, "schedule": s, "block_n": probe.shape.block_n,
                     **{k: row[k] for k in ("shape", "world", "ranks", "tokens_per_rank", "routing", "seed")}}
             row["dump"][name] = store_dump(ctx.dumps, ctx.dump_entries, f"r{index}.{name}", arrays, meta)
 

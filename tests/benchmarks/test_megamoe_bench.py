@@ -24,6 +24,7 @@ from benchmarks.moe_baselines import (
 )
 from calibrate.cli import UsageError
 from megamoe.reference import ROUTING_MODES, make_routing, reference_moe
+from megamoe.schedule import MoEShape
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY = bench.Preset("tiny", 256, 128, 4, 2)
@@ -136,6 +137,7 @@ class FakeMegaMoE:
             raise NotImplementedError("fp8 not built")
         self.limit, self.top_k, self.instrument = max_tokens_per_rank * emulated_ranks, top_k, instrument
         self.schedules = []
+        self.shape = MoEShape(hidden, intermediate)  # the dump's header names the tile N
 
     def load_weights(self, w1, w2):
         self.w = (w1, w2)
@@ -280,6 +282,7 @@ def test_dump_writes_npz_and_header(tmp_path):
     assert header["npz"] == "tiles.npz" and [e["column"] for e in header["entries"]] == ["ours_bf16_wave",
                                                                                          "ours_bf16_interleaved"]
     assert header["entries"][0]["arrays"]["t_rs_ns"] == {"shape": [3], "dtype": "float64", "median": 7.0}
+    assert header["entries"][0]["block_n"] == 128, "the header names the tile N the records' n counts in"
     row_dump = saved["rows"][0]["dump"]
     assert row_dump["ours_bf16_wave"]["key_prefix"] == "r0.ours_bf16_wave"
     assert "fp8 not built" in row_dump["ours_fp8_wave"]["skipped"]
