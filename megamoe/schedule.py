@@ -322,7 +322,7 @@ def row_group_size(precision: str) -> int:
 
 
 # Local experts up to which a 128 x 256 bf16 tile's shared memory (3 stages of 48 KiB, 66 KiB of staging) leaves
-# room for the kernel's per-expert tables (megamoe.kernel: 228 KiB of the 227 KiB opt-in at 256, max_world 8)
+# room for the kernel's per-expert tables (megamoe.kernel: 228,352 of the 232,448 opt-in bytes at 256, max_world 8)
 WIDE_TILE_MAX_LOCAL_EXPERTS = 256
 # Rows a local expert expects at the layer's capacity from which bf16 runs 128 x 256 tiles. Measured on H100 by
 # adjacent pairs against 128 x 128 (docs/FINDINGS.md, megamoe_bf16_wide*_old_vs_new_a64160d.json): Qwen3-MoE
