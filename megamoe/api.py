@@ -289,8 +289,8 @@ class MegaMoE:
             raise ValueError(f"num_sms must be in 2..{sms} (one CTA per SM), got {num_sms}")
         self.grid = grid - grid % 2
         # the kernel's tile, from the rows a local expert expects at capacity
-        self.shape = sched.layer_shape(hidden, intermediate, self.precision, self.num_local,
-                                       self.world * max_tokens_per_rank * top_k / num_experts)
+        self.shape = sched.layer_shape(hidden, intermediate, self.precision, num_experts, top_k, self.world,
+                                       max_tokens_per_rank)
         self.lead = sched.d_lead(self.shape, self.grid) if lead is None else float(lead)
         self.lead_rows = ts.lead_rows(self.lead)
         self.m_group = sched.row_group_size(self.precision)  # the walk's row groups (RankWork.raster)

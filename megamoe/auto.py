@@ -82,8 +82,7 @@ def predicted_makespans(hidden: int, intermediate: int, num_experts: int, top_k:
 
     # the tile a layer built for this token count runs (a larger layer's wide bf16 tile is a per-tile constant
     # the orders share: it scales both makespans alike)
-    shape = sched.layer_shape(hidden, intermediate, precision, num_experts // world,
-                              world * tokens * top_k / num_experts)
+    shape = sched.layer_shape(hidden, intermediate, precision, num_experts, top_k, world, tokens)
     rows = expected_rows(num_experts, top_k, world, tokens) if rows_per_expert is None else tuple(rows_per_expert)
     if len(rows) != num_experts // world:
         raise ValueError(f"rows_per_expert has {len(rows)} entries, this rank has {num_experts // world} experts")

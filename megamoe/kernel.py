@@ -183,7 +183,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             atom_layout_mnk=atoms, tiler_mn=(64, self.bn // 2))
         sA_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_M, self.bk), self.ab_stages)
         sB_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (self.bn, self.bk), self.ab_stages)
-        # staging (megamoe.epilogue): 128 padded rows; an L1 tile's h uses each row's first 64 columns
+        # staging (megamoe.epilogue): 128 padded rows; an L1 tile's h uses each row's first N / 2 columns
         sC_layout = cute.make_layout((BLOCK_M, self.bn), stride=(self.stage_row, 1))
         sH_layout = cute.make_layout((BLOCK_M, self.bn // 2), stride=(self.stage_row, 1))
         op = cpasync.CopyBulkTensorTileG2SOp()
@@ -500,7 +500,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sC = storage.sC.get_tensor(sC_layout)
-        sH = storage.sC.get_tensor(sH_layout)  # a view of sC: each row's first 64 columns
+        sH = storage.sC.get_tensor(sH_layout)  # a view of sC: each row's first N / 2 columns
         sQ = cute.make_tensor(cute.recast_ptr(sC.iterator, dtype=self.ab_dtype),
                               cute.make_layout((BLOCK_M, self.bn // 2), stride=(2 * self.stage_row, 1)))  # FP8 h
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)

@@ -341,23 +341,24 @@ def wide_tile_fits(precision: str, hidden: int, intermediate: int, num_local_exp
             and num_local_experts <= WIDE_TILE_MAX_LOCAL_EXPERTS)
 
 
-def block_n_for(precision: str, hidden: int, intermediate: int, num_local_experts: int,
-                rows_per_expert: float) -> int:
+def block_n_for(precision: str, hidden: int, intermediate: int, num_experts: int, top_k: int, world: int,
+                max_tokens_per_rank: int) -> int:
     """The kernel's tile N for a layer: 256 where :func:`wide_tile_fits` and a local expert expects at least
-    WIDE_TILE_MIN_ROWS_PER_EXPERT rows at the layer's capacity (``rows_per_expert`` = world x
-    max_tokens_per_rank x top_k / num_experts), else 128. A 128 x 256 bf16 tile reads one A block for twice the
-    columns: 25% fewer L2-to-SM bytes per FLOP, the resource the mainloop is short of (docs/HISTORY.md 23),
-    which pays where an expert has several M blocks to share its weights' reads."""
-    wide = (wide_tile_fits(precision, hidden, intermediate, num_local_experts)
+    WIDE_TILE_MIN_ROWS_PER_EXPERT rows at the layer's capacity (world x max_tokens_per_rank x top_k /
+    num_experts), else 128. A 128 x 256 bf16 tile reads one A block for twice the columns: 25% fewer L2-to-SM
+    bytes per FLOP, the resource the mainloop is short of (docs/HISTORY.md 23), which pays where an expert has
+    several M blocks to share its weights' reads."""
+    rows_per_expert = world * max_tokens_per_rank * top_k / num_experts
+    wide = (wide_tile_fits(precision, hidden, intermediate, num_experts // world)
             and rows_per_expert >= WIDE_TILE_MIN_ROWS_PER_EXPERT)
     return 256 if wide else BLOCK_N
 
 
-def layer_shape(hidden: int, intermediate: int, precision: str, num_local_experts: int,
-                rows_per_expert: float) -> MoEShape:
+def layer_shape(hidden: int, intermediate: int, precision: str, num_experts: int, top_k: int, world: int,
+                max_tokens_per_rank: int) -> MoEShape:
     """The layer's shape with the tile the kernel uses (:func:`block_n_for`)."""
-    return MoEShape(hidden, intermediate,
-                    block_n=block_n_for(precision, hidden, intermediate, num_local_experts, rows_per_expert))
+    return MoEShape(hidden, intermediate, block_n=block_n_for(precision, hidden, intermediate, num_experts, top_k,
+                                                              world, max_tokens_per_rank))
 
 
 def wave_order_ring_slots_needed(work: RankWork, experts_per_wave: int) -> int:

@@ -187,9 +187,9 @@ def test_peer_table_rows_agree():
 def test_block_n_for(precision, hidden, intermediate, num_experts, top_k, tokens, world, bn):
     from megamoe.schedule import block_n_for, layer_shape
 
-    rows = world * tokens * top_k / num_experts
-    assert block_n_for(precision, hidden, intermediate, num_experts // world, rows) == bn
-    assert layer_shape(hidden, intermediate, precision, num_experts // world, rows).l2_n_blocks == hidden // bn
+    layer = (hidden, intermediate, num_experts, top_k, world, tokens)
+    assert block_n_for(precision, *layer) == bn
+    assert layer_shape(hidden, intermediate, precision, *layer[2:]).l2_n_blocks == hidden // bn
 
 
 @pytest.mark.parametrize("local_experts,precision,bn", [(256, "bf16", 256), (257, "bf16", 128), (512, "w8a8", 128)])
