@@ -73,8 +73,8 @@ def _check_layer(num_experts, top_k, hidden, intermediate, world, max_tokens):
                     ("intermediate", intermediate), ("max_tokens_per_rank", max_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if hidden % 128 or intermediate % 128:
-        raise ValueError(f"hidden ({hidden}) and intermediate ({intermediate}) must be multiples of 128 (the tile); "
+    if hidden % sched.BLOCK_N or intermediate % sched.BLOCK_N:
+        raise ValueError(f"hidden ({hidden}) and intermediate ({intermediate}) must be multiples of {sched.BLOCK_N} (the tile); "
                          "pad the layer's weights")
     if num_experts % world:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by the world size ({world})")
@@ -92,12 +92,13 @@ class _RankState:
 
     def __init__(self, hidden, intermediate, top_k, num_local, world, max_tokens, grid, device, group=None,
                  fp8=False):
-        self.rows = world * max_tokens * top_k + num_local * 128  # each expert's rows start on a 128 boundary
+        # each expert's rows start on a BLOCK_M boundary
+        self.rows = world * max_tokens * top_k + num_local * sched.BLOCK_M
         from megamoe.phases import SCALE_PAIR, scale_units
 
         # the FP8 activation scales: per 128-row block, unit-major inside it (megamoe.phases.scale_index), as
         # rows of a stage's pair of units (the kernel's TMA view); bf16: one unused row
-        scale_rows = -(-self.rows // 128) * 128 * scale_units(hidden, intermediate) // SCALE_PAIR if fp8 else 1
+        scale_rows = -(-self.rows // sched.BLOCK_M) * sched.BLOCK_M * scale_units(hidden, intermediate) // SCALE_PAIR if fp8 else 1
         slots = max_tokens * top_k
         ab = torch.float8_e4m3fn if fp8 else torch.bfloat16  # the GEMM operands
         shapes = {"pool": ((self.rows, hidden), ab), "pool_src": ((self.rows,), torch.int32),
@@ -128,7 +129,7 @@ class _RankState:
         self.inter = torch.empty(self.rows, intermediate, dtype=ab, device=device)
         self.inter_scale = torch.zeros(scale_rows, SCALE_PAIR, dtype=torch.float32, device=device)
         self.tok_slot = torch.zeros(slots, dtype=torch.int32, device=device)
-        self.l1_done = torch.zeros(self.rows // 128, dtype=torch.int32, device=device)
+        self.l1_done = torch.zeros(self.rows // sched.BLOCK_M, dtype=torch.int32, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
         self.errors = torch.zeros(4, dtype=torch.int32, device=device)
@@ -408,7 +409,7 @@ class MegaMoE:
     def experts_per_wave(self, tokens: int) -> int:
         """The wave heuristic (schedule.expert_wave_size) at the expected rows per local expert."""
         mean = tokens * self.top_k * self.world / self.num_experts
-        return sched.expert_wave_size(self.num_local, mean, self.shape.l1_n_blocks, 128, self.grid)
+        return sched.expert_wave_size(self.num_local, mean, self.shape.l1_n_blocks, sched.BLOCK_M, self.grid)
 
     def enable_records(self, tiles_per_cta: int) -> None:
         """Room for ``tiles_per_cta`` records per CTA (instrument=True); forward grows it as needed."""
@@ -479,7 +480,7 @@ class MegaMoE:
         else:
             name, auto_launch = schedule, True
         if self.instrument:
-            rows = (self.world * self.max_tokens * self.top_k) // 128 + self.num_local
+            rows = (self.world * self.max_tokens * self.top_k) // sched.BLOCK_M + self.num_local
             self.enable_records(2 * (-(-rows * (self.shape.l1_n_blocks + self.shape.l2_n_blocks) // self.grid))
                                 + 64)
             self.records.zero_()

@@ -32,8 +32,8 @@ from cute_kernels import flags as fl
 from cute_kernels import bulk_store, timers
 from megamoe import tile_stream as ts
 from megamoe.phases import AMAX_FLOOR, FP8_MAX, WG_THREADS, NamedBarrierMoE, scale_units
+from megamoe.schedule import BLOCK_M
 
-BLOCK_M = 128
 GATE_COLS = 64  # each 128 columns of an L1 tile: 64 gate, then 64 up (megamoe.api's W1 layout)
 STAGING_THREADS = WG_THREADS + 32  # an MMA warpgroup and its store warp
 STORE_WARPS = 2

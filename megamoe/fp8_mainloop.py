@@ -31,8 +31,8 @@ from quack import layout_utils
 
 from megamoe import tile_stream as ts
 from megamoe.phases import WG_THREADS, NamedBarrierMoE
+from megamoe.schedule import BLOCK_M
 
-BLOCK_M = 128
 FP8_GROUP = 4  # K blocks per mainloop iteration
 
 

@@ -10,6 +10,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from cute_kernels import flags as fl
+from megamoe.schedule import BLOCK_M
 from megamoe.trial import close_trial
 
 NUM_THREADS = 384
@@ -20,7 +21,6 @@ ERR_BAD_EXPERT = 5
 fl.ERROR_NAMES.setdefault(ERR_BAD_EXPERT, "an expert id is out of range (valid: 0 <= id < num_experts, or -1)")
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4  # scale = max(amax, floor) / 448: megamoe.reference's recipe (DeepGEMM's floor)
-BLOCK_M = 128
 DISPATCH_BATCH = 8  # 16 B vectors per lane in flight in Dispatch's row copies (and its FP8 runs per half-warp)
 DISPATCH_FANOUT = 8  # a token's destinations per read of its row (top_k above it reads the row again)
 
