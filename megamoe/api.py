@@ -74,8 +74,8 @@ def _check_layer(num_experts, top_k, hidden, intermediate, world, max_tokens):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if hidden % sched.BLOCK_N or intermediate % sched.BLOCK_N:
-        raise ValueError(f"hidden ({hidden}) and intermediate ({intermediate}) must be multiples of {sched.BLOCK_N} (the tile); "
-                         "pad the layer's weights")
+        raise ValueError(f"hidden ({hidden}) and intermediate ({intermediate}) must be multiples of "
+                         f"{sched.BLOCK_N} (the tile); pad the layer's weights")
     if num_experts % world:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by the world size ({world})")
     if top_k > num_experts or top_k > 32:
@@ -98,7 +98,8 @@ class _RankState:
 
         # the FP8 activation scales: per 128-row block, unit-major inside it (megamoe.phases.scale_index), as
         # rows of a stage's pair of units (the kernel's TMA view); bf16: one unused row
-        scale_rows = -(-self.rows // sched.BLOCK_M) * sched.BLOCK_M * scale_units(hidden, intermediate) // SCALE_PAIR if fp8 else 1
+        scale_rows = (-(-self.rows // sched.BLOCK_M) * sched.BLOCK_M * scale_units(hidden, intermediate) // SCALE_PAIR
+                      if fp8 else 1)
         slots = max_tokens * top_k
         ab = torch.float8_e4m3fn if fp8 else torch.bfloat16  # the GEMM operands
         shapes = {"pool": ((self.rows, hidden), ab), "pool_src": ((self.rows,), torch.int32),

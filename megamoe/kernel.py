@@ -57,7 +57,6 @@ from megamoe.schedule import BLOCK_M, BLOCK_N, wide_tile_fits
 from megamoe.trial import open_trial, trial_order
 from megamoe.w4a8_dequant import SHIFT_STAGE_BYTES, SHIFT_TABLE, W4DequantMixin
 
-# BLOCK_N: the FP8 tile's N and the layer's granularity; bf16 tiles may be 256 wide (schedule.block_n_for)
 # one pipeline stage's K extent: 64 bf16 or 128 FP8 elements (128 bytes, one swizzle row; for FP8 also the
 # 128-wide scale block, promoted to fp32 once per stage; W4A8 converts its packed stage into that form)
 STAGE_K = {"bf16": 64, "w8a8": 128, "w4a8": 128}

@@ -43,7 +43,7 @@ from typing import Iterator, NamedTuple
 from calibrate import model
 
 BLOCK_M = 128
-BLOCK_N = 128
+BLOCK_N = 128  # the FP8 tile's N and the layer's granularity; bf16 tiles may be 256 wide (block_n_for)
 BLOCK_K = 128
 L1 = "L1"
 L2 = "L2"
