@@ -53,7 +53,7 @@ def precision_of(dtype) -> str:
                          "\"w4a8\"") from None
 
 
-def _compiled(hidden, intermediate, top_k, num_local, instrument, precision="bf16", block_n=128):
+def _compiled(hidden, intermediate, top_k, num_local, instrument, precision="bf16", block_n=sched.BLOCK_N):
     key = (hidden, intermediate, top_k, num_local, instrument, precision, block_n)
     if key not in _KERNELS:
         import cutlass.cute as cute  # noqa: F401  (the DSL only when a kernel is built)
