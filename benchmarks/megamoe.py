@@ -68,6 +68,13 @@ UNFUSED_DTYPES = ("bf16", "fp8")  # W4A8 has no unfused path on Hopper (no FP4 g
 API_DTYPES = {"bf16": ("bfloat16",), "fp8": ("float8_e4m3fn", "w8a8"), "w8a8": ("w8a8", "float8_e4m3fn"),
               "w4a8": ("w4a8",)}
 FP8_H_BLOCK = 64  # the W8A8 kernel re-quantizes h in 1 x 64 runs before Linear-2 (megamoe.api at 0b9ce82)
+
+
+def fp8_h_block(layer) -> int:
+    """The intermediate's FP8 scale run of a quantized layer: one per L1 tile, N / 2 of its tile (64; 128 in a
+    W8A8 layer's 128 x 256 tiles); FP8_H_BLOCK for anything without a ``shape`` (a reason string)."""
+    shape = getattr(layer, "shape", None)
+    return shape.block_n // 2 if shape is not None else FP8_H_BLOCK
 COLUMNS = ("unfused_bf16", "unfused_fp8", *(f"ours_{d}_{s}" for d in DTYPES for s in SCHEDULES),
            *(f"unfused_nccl_{d}" for d in UNFUSED_DTYPES))
 WORLDS = (1, 2, 4, 8)
@@ -426,18 +433,18 @@ def new_result(args, command: str, ceilings: dict, api, fp8_why) -> dict:
             "presets": {p.name: asdict(p) for p in args.shapes}, "rows": []}
 
 
-def reference_output(key: str, x, idx, wts, w1, w2):
+def reference_output(key: str, x, idx, wts, w1, w2, h_block: int = FP8_H_BLOCK):
     """(the reference, what it is) of the bf16 columns (``key`` "bf16"), of ours_fp8 ("fp8") or of ours_w4a8
-    ("w4a8")."""
+    ("w4a8"); ``h_block``: the quantized layer's intermediate scale run (fp8_h_block)."""
     import torch
 
     from megamoe.reference import reference_moe, reference_moe_fp8, reference_moe_w4a8
 
     if key == "w4a8":
-        return (reference_moe_w4a8(x, idx, wts, w1, w2, l2_block=FP8_H_BLOCK, combine_dtype=torch.bfloat16),
+        return (reference_moe_w4a8(x, idx, wts, w1, w2, l2_block=h_block, combine_dtype=torch.bfloat16),
                 "fp32, the same W4A8 weight recipe and FP8 activations")
     if key == "fp8":
-        return (reference_moe_fp8(x, idx, wts, w1, w2, l2_block=FP8_H_BLOCK, combine_dtype=torch.bfloat16),
+        return (reference_moe_fp8(x, idx, wts, w1, w2, l2_block=h_block, combine_dtype=torch.bfloat16),
                 "fp32, the same FP8 quantization")
     return (reference_moe(x, idx, wts, w1, w2, intermediate_dtype=torch.bfloat16, combine_dtype=torch.bfloat16),
             "fp32, h and expert rows rounded to bf16")
@@ -471,7 +478,7 @@ def measure_row(ctx, preset: Preset, world: int, tokens: int, routing: str, weig
     def reference(name):  # each computed once per row, for the columns that run
         key = {"ours_fp8": "fp8", "ours_w4a8": "w4a8"}.get(name.rsplit("_", 1)[0], "bf16")
         if key not in refs:
-            refs[key] = reference_output(key, x, idx, wts, w1, w2)
+            refs[key] = reference_output(key, x, idx, wts, w1, w2, fp8_h_block(ours.get(key)))
         return refs[key][0], refs[key][1] + (" (unquantized: this column's row-wise FP8 is not applied)"
                                              if name == "unfused_fp8" else "")
 

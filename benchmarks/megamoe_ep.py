@@ -234,7 +234,7 @@ def measure_row(ctx, preset, tokens: int, routing: str, weights, nccl: dict, our
     def reference(name):
         key = {"ours_fp8": "fp8", "ours_w4a8": "w4a8"}.get(name.rsplit("_", 1)[0], "bf16")
         if key not in refs:
-            refs[key] = mb.reference_output(key, x, idx, wts, w1, w2)
+            refs[key] = mb.reference_output(key, x, idx, wts, w1, w2, mb.fp8_h_block(ours.get(key)))
         return refs[key][0], refs[key][1] + (" (unquantized: this column's row-wise FP8 is not applied)"
                                              if name == "unfused_nccl_fp8" else "")
 

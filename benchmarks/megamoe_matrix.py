@@ -232,8 +232,9 @@ def setup_seconds(cfg: Config, new_shape: bool, dump: bool = False) -> float:
 
 # --- one configuration ----------------------------------------------------------------------------------------
 
-def reference_for(precision: str, x, idx, wts, w1, w2):
-    """(the reference output, what it is), or (None, why there is none) for ``precision``."""
+def reference_for(precision: str, x, idx, wts, w1, w2, h_block: int = 64):
+    """(the reference output, what it is), or (None, why there is none) for ``precision``; ``h_block``: the
+    quantized layer's intermediate scale run (megamoe_bench.fp8_h_block)."""
     import torch
 
     import megamoe.reference as ref
@@ -242,10 +243,10 @@ def reference_for(precision: str, x, idx, wts, w1, w2):
         return (ref.reference_moe(x, idx, wts, w1, w2, intermediate_dtype=torch.bfloat16,
                                   combine_dtype=torch.bfloat16), "fp32, h and expert rows rounded to bf16")
     if precision == "w8a8":
-        return (ref.reference_moe_fp8(x, idx, wts, w1, w2, l2_block=mb.FP8_H_BLOCK, combine_dtype=torch.bfloat16),
-                f"fp32, the same W8A8 quantization (h in 1x{mb.FP8_H_BLOCK} runs)")
-    return (ref.reference_moe_w4a8(x, idx, wts, w1, w2, l2_block=mb.FP8_H_BLOCK, combine_dtype=torch.bfloat16),
-            f"fp32, the same W4A8 recipe (h in 1x{mb.FP8_H_BLOCK} runs)")
+        return (ref.reference_moe_fp8(x, idx, wts, w1, w2, l2_block=h_block, combine_dtype=torch.bfloat16),
+                f"fp32, the same W8A8 quantization (h in 1x{h_block} runs)")
+    return (ref.reference_moe_w4a8(x, idx, wts, w1, w2, l2_block=h_block, combine_dtype=torch.bfloat16),
+            f"fp32, the same W4A8 recipe (h in 1x{h_block} runs)")
 
 
 def describe(cfg: Config) -> dict:
@@ -302,7 +303,7 @@ def measure_config(ctx, cfg: Config, layer, w1, w2, index: int) -> dict:
 
     def reference(_name):  # one per configuration, for both schedules
         if not refs:
-            refs["r"] = reference_for(cfg.precision, x, idx, wts, w1, w2)
+            refs["r"] = reference_for(cfg.precision, x, idx, wts, w1, w2, mb.fp8_h_block(layer))
         return refs["r"]
 
     calls = {s: (lambda s=s: layer.forward(x, idx, wts, schedule=s)) for s in SCHEDULES}

@@ -191,16 +191,23 @@ def peer_table(states: list[_RankState], device) -> torch.Tensor:
                         dtype=torch.int64, device=device)
 
 
-def stage_weight_scales(s1: torch.Tensor, s2: torch.Tensor, num_local: int, hidden: int, intermediate: int):
+def stage_weight_scales(s1: torch.Tensor, s2: torch.Tensor, num_local: int, hidden: int, intermediate: int,
+                        block_n: int = sched.BLOCK_N):
     """The weights' 128 x 128 block scales (``s1`` (E_l, 2I/128, H/128): gate blocks then up blocks; ``s2``
     (E_l, H/128, I/128); any shape of those elements) as the kernel's producer loads them with each stage, 16
-    bytes per K block: w1 (E_l * I/128, H/128 * 4), per L1 N-block pair the gate and the up block's scale then
-    two zeros; w2 (E_l * H/128, I/128 * 4), the block's scale twice then two zeros."""
+    bytes per K block: w1 (E_l * I/128, H/128 * 4), per 256 interleaved rows (a 128 x 128 tile pair, or one
+    128 x 256 tile) the gate and the up block's scale then two zeros; w2 per L2 N block of ``block_n`` rows:
+    128 x 128 tiles (E_l * H/128, I/128 * 4) the block's scale twice then two zeros, 128 x 256 tiles
+    (E_l * H/256, I/128 * 4) its two blocks' scales then two zeros."""
     e, h, i = num_local, hidden // 128, intermediate // 128
     g = s1.reshape(e, 2, i, h).float()
     w1 = torch.zeros(e, i, h, 4, dtype=torch.float32, device=s1.device)
     w1[..., 0], w1[..., 1] = g[:, 0], g[:, 1]
     b = s2.reshape(e, h, i).float()
+    if block_n == 2 * sched.BLOCK_N:
+        w2 = torch.zeros(e, h // 2, i, 4, dtype=torch.float32, device=s2.device)
+        w2[..., 0], w2[..., 1] = b[:, 0::2], b[:, 1::2]
+        return w1.view(e * i, h * 4), w2.view(e * h // 2, i * 4)
     w2 = torch.zeros(e, h, i, 4, dtype=torch.float32, device=s2.device)
     w2[..., 0], w2[..., 1] = b, b
     return w1.view(e * i, h * 4), w2.view(e * h, i * 4)
@@ -368,7 +375,7 @@ class MegaMoE:
         q2, s2 = quantize_fp8_blockwise_weights(w2[local].to(self.device))
         q1t, q2t = transform_weights(q1.view(torch.uint8), q2.view(torch.uint8), range(self.num_local))
         self.w1, self.w2 = q1t.view(torch.float8_e4m3fn), q2t.view(torch.float8_e4m3fn)
-        self.w1_scale, self.w2_scale = stage_weight_scales(s1, s2, self.num_local, H, I)
+        self.w1_scale, self.w2_scale = stage_weight_scales(s1, s2, self.num_local, H, I, self.shape.block_n)
 
     def _load_w4a8(self, w1, w2):
         local = slice(self.experts.start, self.experts.stop)

@@ -115,11 +115,13 @@ class StagedEpilogueMixin:
 
     @cute.jit
     def stage_l1_fp8(self, acc, wts, sQ, s_inter, p, n, rows_c, wg, j, tidx, probe) -> Int64:
-        """FP8 L1 tile: h in fp32, per row one 1 x 64 scale (the row's 64 columns are this thread's 16 and its
-        quad's: two shuffles), h / scale as e4m3 into the staging (two adjacent columns per 16-bit write) and
-        the scale straight to ``s_inter`` (published by the store warp's release)."""
+        """FP8 L1 tile: h in fp32, per row one scale over the tile's N / 2 intermediate columns (1 x 64, or 1 x 128
+        for a 128 x 256 tile: this thread's 16 or 32 and its quad's, two shuffles), h / scale as e4m3 into the
+        staging (two adjacent columns per 16-bit write) and the scale straight to ``s_inter`` (published by the
+        store warp's release). In each 128 columns of the tile gate is [0, 64) and up [64, 128), as stage_l1's."""
         acc_mn = layout_utils.reshape_acc_to_mn(acc)
         half = cute.size(acc_mn, mode=[1]) // 2
+        run = GATE_COLS * cute.size(acc_mn, mode=[1]) // self.bn  # a thread's values of 64 columns in a row
         I = self.intermediate
         h = cute.make_rmem_tensor(cute.make_layout(half), Float32)
         pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
@@ -128,8 +130,8 @@ class StagedEpilogueMixin:
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             amax = Float32(0.0)
             for c in cutlass.range_constexpr(half):
-                g = acc_mn[r, c]
-                v = self.silu(g) * acc_mn[r, c + half] * wts[r]
+                g = c + (c // run) * run  # the gate value of h's column c; its up value follows one run later
+                v = self.silu(acc_mn[r, g]) * acc_mn[r, g + run] * wts[r]
                 h[c] = v
                 amax = cute.arch.fmax(amax, cutlass.max(v, -v))
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))
@@ -138,7 +140,9 @@ class StagedEpilogueMixin:
             inv = Float32(1.0) / scale  # one division per row, then products
             tile_row = rows_c[r, 0][0]
             for i in cutlass.range_constexpr(half // 2):
-                col = rows_c[r, 2 * i][1]  # < 64: the tile's intermediate column
+                g = 2 * i + (2 * i // run) * run
+                # the tile's intermediate column (< N / 2): gate column a of the tile, less the up runs before it
+                col = rows_c[r, g][1] - (rows_c[r, g][1] // (2 * GATE_COLS)) * GATE_COLS
                 for k in cutlass.range_constexpr(2):
                     q = h[2 * i + k] * inv
                     pair[k] = cutlass.min(cutlass.max(q, Float32(-FP8_MAX)), Float32(FP8_MAX))

@@ -52,18 +52,19 @@ class Fp8MainloopMixin:
         warpgroup.commit_group()
 
     @cute.jit
-    def promote(self, acc, acc_blk, sa: cute.Tensor, sb_lo, sb_hi):
-        """acc += acc_blk * sa[row] * sb: columns [0, 64) of the tile take ``sb_lo`` (L1: the gate rows' weight
-        block), [64, 128) ``sb_hi`` (L1: the up rows'; L2: the same block)."""
+    def promote(self, acc, acc_blk, sa: cute.Tensor, sb_lo, sb_hi, col0: cutlass.Constexpr = 0):
+        """acc += acc_blk * sa[row] * sb over the block accumulator's 128 columns, from this thread's column
+        ``col0`` of ``acc`` on (a 128 x 256 tile's second half: half its columns): the first 64 take ``sb_lo``
+        (L1: the gate rows' weight block), the last 64 ``sb_hi`` (L1: the up rows'; L2: the same block)."""
         acc_mn = layout_utils.reshape_acc_to_mn(acc)
         blk_mn = layout_utils.reshape_acc_to_mn(acc_blk)
-        half = cute.size(acc_mn, mode=[1]) // 2
+        half = cute.size(blk_mn, mode=[1]) // 2
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             lo = sa[r] * sb_lo
             hi = sa[r] * sb_hi
             for c in cutlass.range_constexpr(half):
-                acc_mn[r, c] = acc_mn[r, c] + blk_mn[r, c] * lo
-                acc_mn[r, c + half] = acc_mn[r, c + half] + blk_mn[r, c + half] * hi
+                acc_mn[r, col0 + c] = acc_mn[r, col0 + c] + blk_mn[r, c] * lo
+                acc_mn[r, col0 + c + half] = acc_mn[r, col0 + c + half] + blk_mn[r, c + half] * hi
 
     @cute.jit
     def read_block_scales(self, dst, split: cutlass.Constexpr, kb, stage, arow, stage_scales):
@@ -153,9 +154,45 @@ class Fp8MainloopMixin:
         return state, t_data
 
     @cute.jit
+    def fp8_wide_k_loop(self, n_kb, l2: cutlass.Constexpr, mma, acc, blk, tCrA, tCrB, pipe, state, arow,
+                        stage_scales, cur, t_data):
+        """A 128 x 256 tile's ``n_kb`` K blocks: per block the two 128-row halves of B (``tCrB`` = their
+        fragments) into the one half-width block accumulator ``blk`` in turn, each promoted into its half of
+        ``acc`` once its WGMMA is done; the Tensor Cores take the other warpgroup's WGMMAs meanwhile (DeepGEMM's
+        SM90 structure: one block accumulator, the two math warpgroups drifting out of step). Every unit's scale
+        pair is 1 x 128 (L2 too: a wide L1 tile writes 128 intermediate columns under one scale). Weight scales:
+        L1 each half (gate 64, up 64 rows) takes the gate and up blocks' (sb[0], sb[1]); L2 half h the block h
+        of the tile's two (sb[h])."""
+        steps = cute.size(tCrA, mode=[2])  # k32 WGMMA steps per block
+        for kb in cutlass.range(n_kb, unroll=1):
+            pipe.consumer_wait(state)
+            if const_expr(self.instrument):
+                if kb == 0:
+                    t_data = cute.arch.globaltimer()
+            self.wgmma_k(mma, blk, tCrA, tCrB[0], state.index, 0, steps)
+            self.read_block_scales(cur, 1, kb, state.index, arow, stage_scales)
+            warpgroup.wait_group(0)
+            sb = cur[2]
+            if const_expr(l2):
+                self.promote(acc, blk, cur[0], sb[0], sb[0])
+            else:
+                self.promote(acc, blk, cur[0], sb[0], sb[1])
+            self.wgmma_k(mma, blk, tCrA, tCrB[1], state.index, 0, steps)
+            warpgroup.wait_group(0)
+            pipe.consumer_release(state)
+            cols = cute.size(layout_utils.reshape_acc_to_mn(blk), mode=[1])
+            if const_expr(l2):
+                self.promote(acc, blk, cur[0], sb[1], sb[1], cols)
+            else:
+                self.promote(acc, blk, cur[0], sb[0], sb[1], cols)
+            state.advance()
+        return state, t_data
+
+    @cute.jit
     def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, rows_c, stage_scales, dq):
         """acc = the tile's fp32 product over its 128-wide K blocks (L1: ``k1`` blocks in whole-block units; L2:
-        ``k2`` blocks in half-block units), the scales from each stage (``stage_scales``: the activation and the
+        ``k2`` blocks in half-block units; a 128 x 256 tile, ``blks`` one half-width accumulator: whole-block
+        units of each half, ``fp8_wide_k_loop``), the scales from each stage (``stage_scales``: the activation and the
         weight scales' shared-memory stages). Returns the pipeline state and (instrument) when the first K block
         had arrived."""
         for r in cutlass.range_constexpr(cute.size(arow)):
@@ -169,10 +206,18 @@ class Fp8MainloopMixin:
         t_data = Int64(0)
         # L2: the intermediate's scales were stored by other CTAs' L1 epilogues before their release on
         # l1_done[p]; the producer acquired that counter and fenced the async proxy before this tile's TMA loads
-        if kind == ts.KIND_L1:
-            state, t_data = self.fp8_k_loop(self.k1, 1, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
-                                            cur, t_data, dq)
+        if const_expr(len(blks) == 1):  # 128 x 256 (MegaMoEForward.mma): one half-width block accumulator
+            if kind == ts.KIND_L1:
+                state, t_data = self.fp8_wide_k_loop(self.k1, False, mma, acc, blks[0], tCrA, tCrB, pipe, state,
+                                                     arow, stage_scales, cur, t_data)
+            else:
+                state, t_data = self.fp8_wide_k_loop(self.k2, True, mma, acc, blks[0], tCrA, tCrB, pipe, state,
+                                                     arow, stage_scales, cur, t_data)
         else:
-            state, t_data = self.fp8_k_loop(self.k2, 2, mma, acc, blks, tCrA, tCrB, pipe, state, arow, stage_scales,
-                                            cur, t_data, dq)
+            if kind == ts.KIND_L1:
+                state, t_data = self.fp8_k_loop(self.k1, 1, mma, acc, blks, tCrA, tCrB, pipe, state, arow,
+                                                stage_scales, cur, t_data, dq)
+            else:
+                state, t_data = self.fp8_k_loop(self.k2, 2, mma, acc, blks, tCrA, tCrB, pipe, state, arow,
+                                                stage_scales, cur, t_data, dq)
         return state, t_data

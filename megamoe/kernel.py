@@ -86,8 +86,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if block_n not in (BLOCK_N, 2 * BLOCK_N) or (
                 block_n != BLOCK_N and not wide_tile_fits(precision, hidden, intermediate, num_local_experts)):
-            raise ValueError(f"block_n={block_n}: 128, or 256 where schedule.wide_tile_fits (bf16, hidden a "
-                             "multiple of 256, at most 256 local experts); schedule.block_n_for chooses")
+            raise ValueError(f"block_n={block_n}: 128, or 256 where schedule.wide_tile_fits (bf16 or w8a8, hidden "
+                             "a multiple of 256, at most 256 local experts); schedule.block_n_for chooses")
         for name, v in (("hidden", hidden), ("intermediate", intermediate)):
             if v <= 0 or v % BLOCK_N:
                 raise ValueError(f"{name} must be a positive multiple of {BLOCK_N}, got {v}")
@@ -102,7 +102,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         # W4A8's stage also holds the packed codes (8 KiB) and their shifts: 4 stages fit beside the staging
         self.bn = block_n  # the tile's N (schedule.block_n_for)
         self.stage_row = self.bn + 8  # staged row pitch (megamoe.epilogue)
-        # a 128 x 256 bf16 stage is 48 KiB: 3 fit beside its 66 KiB staging
+        # a 128 x 256 stage is 48 KiB (bf16, and W8A8's 128-wide K blocks): 3 fit beside its 66 KiB staging
         self.ab_stages = 4 if self.w4 else (3 if self.bn == 256 else 5)
         self.ab_dtype = cutlass.Float8E4M3FN if self.fp8 else cutlass.BFloat16  # the GEMM operands
         self.bk = STAGE_K[precision]
@@ -385,18 +385,22 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             half = s_ntok[e] - (p - s_row_off[e]) * BLOCK_M <= self.wg_rows
             if kind == ts.KIND_L1:
                 # the pool's scale pair of block kb: row p * units / 2 + kb // 2; the weight scales of the gate
-                # and up blocks of this N-block pair: row e * I/128 + n // 2
+                # and up blocks of this tile's 256 interleaved rows (a 128-wide tile pair, or one wide tile):
+                # row e * I/128 + n // 2 (wide: + n)
                 state = self.load_tile((tma_x, gX, tma_x_half, gX_half, half), tma_w1, gW1, p, e * self.n1 + n,
                                        (sA, sA_half), sB, self.k1, pipe, tx, state, (tma_s1, gS1, sS), sc1,
-                                       (p * (units // 2), True, e * (self.intermediate // 128) + n // 2))
+                                       (p * (units // 2), True,
+                                        e * (self.intermediate // 128) + n * self.bn // (2 * BLOCK_N)))
             else:
                 fl.wait_geq(l1_done, p, Int32(self.l1_arrivals), timeout_ns, errors, Int32(ERR_L1_TIMEOUT), bidx,
                             "gpu", 0, True)
                 # the intermediate was written by generic-proxy stores; TMA reads through the async proxy
                 cute.arch.fence_proxy("async.global")
+                # the intermediate's scales: 1 x 64 units 2 kb, 2 kb + 1 (row p * units / 2 + kb); wide tiles
+                # write 1 x 128 units, block kb's the (kb % 2)-th of pair kb // 2, as L1's
                 state = self.load_tile((tma_h, gH, tma_h_half, gH_half, half), tma_w2, gW2, p, e * self.n2 + n,
                                        (sA, sA_half), sB, self.k2, pipe, tx, state, (tma_s2, gS2, sS), sc2,
-                                       (p * (units // 2), False, e * self.n2 + n))
+                                       (p * (units // 2), self.bn == 2 * BLOCK_N, e * self.n2 + n))
             found, kind, p, n, e, t_state = ring.read(t_state)
         pipe.producer_tail(state)
 
@@ -512,8 +516,18 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                   storage.lut.get_tensor(cute.make_layout(len(SHIFT_TABLE))),
                   cute.recast_ptr(storage.sB.data_ptr(), dtype=Int32), tidx)
         stage_scales = None
-        if const_expr(self.fp8):  # the two block accumulators of the W8A8 promotion units (megamoe.fp8_mainloop)
-            blks = (cute.make_fragment_like(acc), cute.make_fragment_like(acc))
+        mma_fp8, tCrA_fp8, tCrB_fp8 = mma, tCrA, tCrB  # the W8A8 promotion units' WGMMA and operands
+        if const_expr(self.fp8):  # the block accumulators of the W8A8 promotion units (megamoe.fp8_mainloop)
+            if const_expr(self.bn == 2 * BLOCK_N):
+                # 128 x 256: each 128-row half of B into one half-width block accumulator in turn (two
+                # full-width ones beside the fp32 total would not fit the registers)
+                sB_halves = cute.flat_divide(sB, (self.bn // 2, self.bk))
+                blk, tCrA_fp8, tCrB_lo = sm90_utils.partition_fragment_ABC(
+                    wg_half, (BLOCK_M, self.bn // 2, self.bk), sA, sB_halves[None, None, 0, 0, None])
+                tCrB_hi = wg_half.make_fragment_B(wg_half.partition_B(sB_halves[None, None, 1, 0, None]))
+                mma_fp8, tCrB_fp8, blks = mma_half, (tCrB_lo, tCrB_hi), (blk,)
+            else:
+                blks = (cute.make_fragment_like(acc), cute.make_fragment_like(acc))
             S = self.ab_stages
             stage_scales = (storage.sSA.get_tensor(cute.make_layout((SCALE_PAIR, S), stride=(1, SCALE_PAIR))),
                             storage.sSB.get_tensor(cute.make_layout((4, S), stride=(1, SB_STAGE))))
@@ -546,8 +560,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             t_data = Int64(0)
             if s_ntok[e] - m * BLOCK_M > wg * self.wg_rows:
                 if const_expr(self.fp8):
-                    state, t_data = self.mainloop_fp8_tile(mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow,
-                                                           rows_c, stage_scales, dq)
+                    state, t_data = self.mainloop_fp8_tile(mma_fp8, acc, blks, tCrA_fp8, tCrB_fp8, pipe, state,
+                                                           kind, arow, rows_c, stage_scales, dq)
                 else:
                     state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
             else:

@@ -328,16 +328,18 @@ WIDE_TILE_MAX_LOCAL_EXPERTS = 256
 # adjacent pairs against 128 x 128 (docs/FINDINGS.md, megamoe_bf16_wide*_old_vs_new_a64160d.json): Qwen3-MoE
 # 8192 tokens (512 rows) -13.5% balanced, -16% skewed; at 256 rows and fewer the wide tile's 3 stages (5 at
 # 128 x 128) cost more than its A reuse saves: Qwen3-MoE 4096 +4%, DSv4-Flash 8192 (192 rows) +3.7%, 1024 +6%.
-WIDE_TILE_MIN_ROWS_PER_EXPERT = 384
+# W8A8 (docs/experiments/fp8_wide_tile.patch, not yet measured): the same threshold until a run decides.
+WIDE_TILE_MIN_ROWS_PER_EXPERT = {"bf16": 384, "w8a8": 384}
 
 
 def wide_tile_fits(precision: str, hidden: int, intermediate: int, num_local_experts: int) -> bool:
-    """Whether the kernel can run a layer in 128 x 256 tiles: bf16 (FP8's promotion accumulators fill the
-    registers at 128 x 128), hidden a multiple of 256 (2 * intermediate always is) and at most
+    """Whether the kernel can run a layer in 128 x 256 tiles: bf16 or W8A8 (W8A8 promotes each 128-wide half of
+    the tile in turn through one half-width block accumulator, megamoe.fp8_mainloop; W4A8's conversion is laid
+    out for 128-row weight blocks), hidden a multiple of 256 (2 * intermediate always is) and at most
     WIDE_TILE_MAX_LOCAL_EXPERTS local experts (shared memory)."""
     if precision not in ("bf16", "w8a8", "w4a8"):
         raise ValueError(f"precision must be bf16, w8a8 or w4a8, got {precision!r}")
-    return (precision == "bf16" and hidden % 256 == 0 and intermediate % 128 == 0
+    return (precision in ("bf16", "w8a8") and hidden % 256 == 0 and intermediate % 128 == 0
             and num_local_experts <= WIDE_TILE_MAX_LOCAL_EXPERTS)
 
 
@@ -350,7 +352,7 @@ def block_n_for(precision: str, hidden: int, intermediate: int, num_experts: int
     several M blocks to share its weights' reads."""
     rows_per_expert = world * max_tokens_per_rank * top_k / num_experts
     wide = (wide_tile_fits(precision, hidden, intermediate, num_experts // world)
-            and rows_per_expert >= WIDE_TILE_MIN_ROWS_PER_EXPERT)
+            and rows_per_expert >= WIDE_TILE_MIN_ROWS_PER_EXPERT[precision])
     return 256 if wide else BLOCK_N
 
 

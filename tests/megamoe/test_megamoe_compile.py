@@ -118,6 +118,32 @@ def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, inst
     no_spills(c.ptx)
 
 
+@pytest.mark.parametrize("instrument", [False, True])
+def test_w8a8_wide_tile_promotes_each_half_through_one_block_accumulator(tmp_path, instrument, no_spills):
+    """W8A8 in 128 x 256 tiles (DSv4-Flash at one rank): per K block two m64n128k32 groups of 4, one per half of
+    B, each waited for and promoted (the only block accumulator is half-width: two full ones beside the fp32
+    total would not fit), L1 and L2 alike; nothing in flight across a wait, so no WGMMA is serialized; the
+    scales by TMA with their stage; the staging and 3 stages fit the SM; no spills."""
+    from cutlass.runtime import make_fake_stream
+
+    from cute_kernels.compile import compile_kernel, sass
+    from megamoe.kernel import MegaMoEForward
+
+    k = MegaMoEForward(4096, 2048, 6, 256, instrument=instrument, precision="w8a8", block_n=256)
+    c = compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True), dump_dir=str(tmp_path))
+    assert k.ab_stages == 3 and 0 < k.smem_bytes <= 227 * 1024
+    n_wgmma = 2 * 2 * 4  # (L1, L2) x halves x k32 steps
+    assert c.ptx_count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == n_wgmma
+    assert c.ptx_count(r"wgmma\.mma_async[^\n]*(bf16|n256)") == 0
+    text = sass(c.cubin)
+    if text is None:
+        pytest.skip("no nvdisasm on this machine (it comes with triton): cannot read the SASS")
+    assert text.count("QGMMA.64x128x32.F32.E4M3.E4M3") == n_wgmma, "FP8 WGMMA in the SASS"
+    assert text.count("WARPGROUP.DEPBAR") == n_wgmma // 4, "one wait per half, none serializing a WGMMA"
+    assert text.count("UTMALDG") == 10, "the scales by TMA with their stage"
+    no_spills(c.ptx)
+
+
 @pytest.mark.parametrize("shape", FP8_SHAPES)
 def test_w4a8_kernel_converts_in_shared_memory_then_runs_the_w8a8_mainloop(tmp_path, shape, no_spills):
     """W4A8: the W8A8 mainloop's e4m3 WGMMAs, unserialized, each stage's B block converted first (one block
@@ -181,7 +207,9 @@ def test_peer_table_rows_agree():
     ("bf16", 4096, 1536, 128, 8, 4096, 2, 256),   # EP 2: each local expert takes rows from both ranks
     ("bf16", 4096, 2048, 256, 6, 8192, 1, 128),   # DSv4-Flash 8192 tokens: 192 rows
     ("bf16", 1152, 4608, 8, 2, 8192, 1, 128),     # DiT-MoE: hidden not a multiple of 256
-    ("w8a8", 4096, 1536, 128, 8, 8192, 1, 128),   # FP8 stays 128 x 128
+    ("w8a8", 4096, 1536, 128, 8, 8192, 1, 256),   # W8A8 as bf16 (one half-width block accumulator)
+    ("w8a8", 4096, 2048, 256, 6, 8192, 1, 128),
+    ("w4a8", 4096, 1536, 128, 8, 8192, 1, 128),   # W4A8 stays 128 x 128
     ("bf16", 4096, 1536, 514, 8, 65536, 1, 128),  # more local experts than the wide tile's shared memory holds
 ])
 def test_block_n_for(precision, hidden, intermediate, num_experts, top_k, tokens, world, bn):
@@ -192,7 +220,8 @@ def test_block_n_for(precision, hidden, intermediate, num_experts, top_k, tokens
     assert layer_shape(hidden, intermediate, precision, *layer[2:]).l2_n_blocks == hidden // bn
 
 
-@pytest.mark.parametrize("local_experts,precision,bn", [(256, "bf16", 256), (257, "bf16", 128), (512, "w8a8", 128)])
+@pytest.mark.parametrize("local_experts,precision,bn", [(256, "bf16", 256), (257, "bf16", 128), (512, "w8a8", 128),
+                                                        (256, "w8a8", 256)])
 def test_tile_n_and_shared_memory_fit_the_sm(tmp_path, local_experts, precision, bn):
     """The kernel's shared memory at max_world 8 within the H100/H200 opt-in limit (227 KiB), which only a
     launch would otherwise tell: the 128 x 256 bf16 tile up to 256 local experts, 128 x 128 beyond."""
@@ -217,7 +246,7 @@ def test_constructor_refusals():
         MegaMoEForward(1024, 512, 0, 8)
     with pytest.raises(ValueError, match="precision"):
         MegaMoEForward(1024, 512, 2, 8, precision="fp16")
-    for args, kw in (((1024, 512, 2, 8), {"precision": "w8a8", "block_n": 256}),
+    for args, kw in (((1024, 512, 2, 8), {"precision": "w4a8", "block_n": 256}),
                      ((1024, 512, 2, 257), {"block_n": 256}), ((1152, 512, 2, 8), {"block_n": 256}),
                      ((1024, 512, 2, 8), {"block_n": 64})):
         with pytest.raises(ValueError, match="block_n"):

@@ -47,11 +47,13 @@ def _reference(x, idx, w, w1, w2):
                          combine_dtype=torch.bfloat16)
 
 
-def _reference_fp8(x, idx, w, w1, w2):
+def _reference_fp8(x, idx, w, w1, w2, l2_block=64):
+    """W8A8's reference; ``l2_block``: the intermediate's scale run, N / 2 of the layer's tile (64, or 128 in
+    128 x 256 tiles)."""
     from megamoe.reference import quantize_fp8_blockwise_weights, reference_moe_fp8
 
     return reference_moe_fp8(x, idx, w, quantize_fp8_blockwise_weights(w1), quantize_fp8_blockwise_weights(w2),
-                             l2_block=64, combine_dtype=torch.bfloat16)
+                             l2_block=l2_block, combine_dtype=torch.bfloat16)
 
 
 def _weights_w4(num_experts, hidden, intermediate, seed):
@@ -69,10 +71,10 @@ def _weights_w4(num_experts, hidden, intermediate, seed):
     return spread(w1), spread(w2)
 
 
-def _reference_w4(x, idx, w, w1, w2):
+def _reference_w4(x, idx, w, w1, w2, l2_block=64):
     from megamoe.reference import reference_moe_w4a8
 
-    return reference_moe_w4a8(x, idx, w, w1, w2, l2_block=64, combine_dtype=torch.bfloat16)
+    return reference_moe_w4a8(x, idx, w, w1, w2, l2_block=l2_block, combine_dtype=torch.bfloat16)
 
 
 def _close(y, ref, what, rel_tol=1e-2, worst_tol=3e-2):
@@ -84,18 +86,23 @@ def _close(y, ref, what, rel_tol=1e-2, worst_tol=3e-2):
     assert rel <= rel_tol and worst <= worst_tol, f"{what}: relative error {rel:.3g}, worst {worst:.3g}"
 
 
-def _wide_capacity(num_experts, top_k, world=1):
-    """The max_tokens_per_rank from which a bf16 layer runs 128 x 256 tiles (schedule.block_n_for)."""
+def _wide_capacity(num_experts, top_k, world=1, precision="bf16"):
+    """The max_tokens_per_rank from which a bf16 or W8A8 layer runs 128 x 256 tiles (schedule.block_n_for)."""
     from megamoe.schedule import WIDE_TILE_MIN_ROWS_PER_EXPERT
 
-    return -(-WIDE_TILE_MIN_ROWS_PER_EXPERT * num_experts // (top_k * world))
+    return -(-WIDE_TILE_MIN_ROWS_PER_EXPERT[precision] * num_experts // (top_k * world))
 
 
 def _layer(num_experts, top_k, tokens, hidden=SMALL["hidden"], **kw):
-    """A world-1 layer with room for ``tokens``; at hidden WIDE, room for the wide tile's capacity."""
+    """A world-1 layer with room for ``tokens``; at hidden WIDE, room for the wide tile's capacity (W4A8 has
+    no wide tile: its layers stay 128 x 128 there)."""
     from megamoe.api import MegaMoE
 
-    cap = max(tokens, 1, _wide_capacity(num_experts, top_k) if hidden == WIDE else 1)
+    from megamoe.schedule import WIDE_TILE_MIN_ROWS_PER_EXPERT
+
+    precision = {torch.float8_e4m3fn: "w8a8", "w4a8": "w4a8"}.get(kw.get("dtype"), "bf16")
+    wide = hidden == WIDE and precision in WIDE_TILE_MIN_ROWS_PER_EXPERT
+    cap = max(tokens, 1, _wide_capacity(num_experts, top_k, precision=precision) if wide else 1)
     return MegaMoE(None, num_experts, top_k, hidden, SMALL["intermediate"], max_tokens_per_rank=cap, **kw)
 
 
@@ -301,19 +308,21 @@ def _quantized(precision):
     ("w8a8", 300, 8, 2, "balanced", 1152), ("w8a8", 1000, 16, 6, "skewed", 1152),
     ("w8a8", 129, 8, 1, "one_expert", 1152), ("w4a8", 300, 8, 2, "balanced", 1152),
     ("w4a8", 1000, 16, 6, "skewed", 1152), ("w4a8", 129, 8, 1, "one_expert", 1152),
-    ("w4a8", 200, 16, 8, "balanced", 1152), ("w8a8", 1000, 16, 6, "skewed", PAIRED),
+    ("w4a8", 200, 16, 8, "balanced", 1152), ("w8a8", 300, 8, 2, "balanced", PAIRED),
+    ("w8a8", 1000, 16, 6, "skewed", PAIRED),
     ("w8a8", 129, 8, 1, "one_expert", PAIRED), ("w8a8", 1, 8, 2, "balanced", PAIRED),
     ("w4a8", 300, 8, 2, "balanced", PAIRED)])
 def test_quantized_world1_matches_the_quantized_reference(seed, precision, tokens, num_experts, top_k, mode,
                                                            hidden):
     """W8A8 / W4A8 against the reference under the same quantization, at W8A8's tolerance; both schedules the
-    same bits (hidden 1024: the clustered kernel, A multicast between CTA pairs)."""
+    same bits (hidden 1024: W8A8 in 128 x 256 tiles, its intermediate in 1 x 128 scale runs; W4A8 128 x 128)."""
     dtype, weights, reference = _quantized(precision)
     moe = _layer(num_experts, top_k, tokens, hidden=hidden, dtype=dtype)
+    assert moe.shape.block_n == (256 if precision == "w8a8" and hidden == WIDE else 128)
     w1, w2 = weights(num_experts, hidden, SMALL["intermediate"], seed)
     moe.load_weights(w1, w2)
     x, idx, w = _inputs(tokens, num_experts, top_k, mode, seed, hidden)
-    ref = reference(x, idx, w, w1, w2)
+    ref = reference(x, idx, w, w1, w2, moe.shape.block_n // 2)
     ys = {}
     for schedule in ("wave", "interleaved"):
         y = torch.full_like(x, float("nan"))
