@@ -328,8 +328,11 @@ WIDE_TILE_MAX_LOCAL_EXPERTS = 256
 # adjacent pairs against 128 x 128 (docs/FINDINGS.md, megamoe_bf16_wide*_old_vs_new_a64160d.json): Qwen3-MoE
 # 8192 tokens (512 rows) -13.5% balanced, -16% skewed; at 256 rows and fewer the wide tile's 3 stages (5 at
 # 128 x 128) cost more than its A reuse saves: Qwen3-MoE 4096 +4%, DSv4-Flash 8192 (192 rows) +3.7%, 1024 +6%.
-# W8A8 (docs/experiments/fp8_wide_tile.patch, not yet measured): the same threshold until a run decides.
-WIDE_TILE_MIN_ROWS_PER_EXPERT = {"bf16": 384, "w8a8": 384}
+# W8A8 (one H100, by pairs against 128 x 128, megamoe_fp8_wide{,2}_old_vs_new_05b58a6.json) wins from 192 rows:
+# Qwen3-MoE 8192 -10%, skewed -10%, 4096 (256 rows) -4.7%, skewed -6%, DSv4-Flash 8192 (192) -6.2%, skewed a tie;
+# it loses where an expert has one tail tile or less: DSv4-Flash 4096 (96 rows) +3.3%, 1024 +3.1%, Qwen3-MoE 1024
+# +2.5% (a tail tile's lone warpgroup promotes with the Tensor Cores idle). So: from one full M block expected.
+WIDE_TILE_MIN_ROWS_PER_EXPERT = {"bf16": 384, "w8a8": 128}
 
 
 def wide_tile_fits(precision: str, hidden: int, intermediate: int, num_local_experts: int) -> bool:

@@ -208,7 +208,8 @@ def test_peer_table_rows_agree():
     ("bf16", 4096, 2048, 256, 6, 8192, 1, 128),   # DSv4-Flash 8192 tokens: 192 rows
     ("bf16", 1152, 4608, 8, 2, 8192, 1, 128),     # DiT-MoE: hidden not a multiple of 256
     ("w8a8", 4096, 1536, 128, 8, 8192, 1, 256),   # W8A8 as bf16 (one half-width block accumulator)
-    ("w8a8", 4096, 2048, 256, 6, 8192, 1, 128),
+    ("w8a8", 4096, 2048, 256, 6, 8192, 1, 256),   # 192 rows: W8A8 from one full M block expected
+    ("w8a8", 4096, 2048, 256, 6, 4096, 1, 128),   # 96 rows
     ("w4a8", 4096, 1536, 128, 8, 8192, 1, 128),   # W4A8 stays 128 x 128
     ("bf16", 4096, 1536, 514, 8, 65536, 1, 128),  # more local experts than the wide tile's shared memory holds
 ])
