@@ -324,8 +324,8 @@ def row_group_size(precision: str) -> int:
 # Local experts up to which a 128 x 256 bf16 tile's shared memory (3 stages of 48 KiB, 66 KiB of staging) leaves
 # room for the kernel's per-expert tables (megamoe.kernel: 228,352 of the 232,448 opt-in bytes at 256, max_world 8)
 WIDE_TILE_MAX_LOCAL_EXPERTS = 256
-# Rows a local expert expects at the layer's capacity from which bf16 runs 128 x 256 tiles. Measured on H100 by
-# adjacent pairs against 128 x 128 (docs/FINDINGS.md, megamoe_bf16_wide*_old_vs_new_a64160d.json): Qwen3-MoE
+# Rows a local expert expects at the layer's capacity from which a layer runs 128 x 256 tiles. bf16, measured on
+# H100 by adjacent pairs against 128 x 128 (docs/FINDINGS.md, megamoe_bf16_wide*_old_vs_new_a64160d.json): Qwen3-MoE
 # 8192 tokens (512 rows) -13.5% balanced, -16% skewed; at 256 rows and fewer the wide tile's 3 stages (5 at
 # 128 x 128) cost more than its A reuse saves: Qwen3-MoE 4096 +4%, DSv4-Flash 8192 (192 rows) +3.7%, 1024 +6%.
 # W8A8 (one H100, by pairs against 128 x 128, megamoe_fp8_wide{,2}_old_vs_new_05b58a6.json) wins from 192 rows:
@@ -349,10 +349,11 @@ def wide_tile_fits(precision: str, hidden: int, intermediate: int, num_local_exp
 def block_n_for(precision: str, hidden: int, intermediate: int, num_experts: int, top_k: int, world: int,
                 max_tokens_per_rank: int) -> int:
     """The kernel's tile N for a layer: 256 where :func:`wide_tile_fits` and a local expert expects at least
-    WIDE_TILE_MIN_ROWS_PER_EXPERT rows at the layer's capacity (world x max_tokens_per_rank x top_k /
-    num_experts), else 128. A 128 x 256 bf16 tile reads one A block for twice the columns: 25% fewer L2-to-SM
-    bytes per FLOP, the resource the mainloop is short of (docs/HISTORY.md 23), which pays where an expert has
-    several M blocks to share its weights' reads."""
+    WIDE_TILE_MIN_ROWS_PER_EXPERT[precision] rows at the layer's capacity (world x max_tokens_per_rank x top_k /
+    num_experts), else 128. A 128 x 256 tile reads one A block for twice the columns: 25% fewer L2-to-SM bytes
+    per FLOP, the resource the mainloop is short of (docs/HISTORY.md 23), which pays where an expert has several
+    M blocks to share its weights' reads (bf16), or at least one full one (W8A8, whose L2 promotions also
+    halve: the intermediate's scale runs become 1 x 128)."""
     rows_per_expert = world * max_tokens_per_rank * top_k / num_experts
     wide = (wide_tile_fits(precision, hidden, intermediate, num_experts // world)
             and rows_per_expert >= WIDE_TILE_MIN_ROWS_PER_EXPERT[precision])
