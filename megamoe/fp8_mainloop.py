@@ -199,8 +199,8 @@ class Fp8MainloopMixin:
     def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, rows_c, stage_scales, dq):
         """acc = the tile's fp32 product over its 128-wide K blocks (L1: ``k1`` blocks in whole-block units; L2:
         ``k2`` blocks in half-block units; a 128 x 256 tile, ``blks`` one half-width accumulator: whole-block
-        units of each half, ``fp8_wide_k_loop``), the scales from each stage (``stage_scales``: the activation and the
-        weight scales' shared-memory stages). Returns the pipeline state and (instrument) when the first K block
+        units of each half, ``fp8_wide_k_loop``), the scales from each stage (``stage_scales``: the activation
+        and the weight scales' shared-memory stages). Returns the pipeline state and (instrument) when the first K block
         had arrived."""
         for r in cutlass.range_constexpr(cute.size(arow)):
             arow[r] = rows_c[r, 0][0]  # this thread's rows within the tile

@@ -71,8 +71,9 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
     per rank; ``max_world``: the largest world size the launch may take (shared-memory tables);
     ``instrument``: per-tile records; ``precision``: "bf16", or "w8a8" (e4m3 weights with 128 x 128 block
     scales, activations quantized by Dispatch in 1 x 128 runs, h re-quantized by the L1 epilogue in runs of N / 2
-    (1 x 64, or 1 x 128 in 128 x 256 tiles), one per L1 tile, so no scale needs a cross-CTA reduction; WGMMA accumulates each 128-wide K block
-    into a fresh accumulator that is promoted into the fp32 total with its scales: DeepGEMM's recipe), or
+    (1 x 64, or 1 x 128 in 128 x 256 tiles), one per L1 tile, so no scale needs a cross-CTA reduction; WGMMA
+    accumulates each 128-wide K block into a fresh accumulator that is promoted into the fp32 total with its
+    scales: DeepGEMM's recipe), or
     "w4a8" (E2M1 weights with a UE8M0 scale per 32, turned into W8A8's e4m3 blocks in shared memory per stage by
     the MMA warpgroups, ``megamoe.w4a8_dequant``; the rest as w8a8)."""
 
