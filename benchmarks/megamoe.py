@@ -67,7 +67,7 @@ UNFUSED_DTYPES = ("bf16", "fp8")  # W4A8 has no unfused path on Hopper (no FP4 g
 # skipped column with the constructor's reasons, and runs untouched once the API accepts it.
 API_DTYPES = {"bf16": ("bfloat16",), "fp8": ("float8_e4m3fn", "w8a8"), "w8a8": ("w8a8", "float8_e4m3fn"),
               "w4a8": ("w4a8",)}
-FP8_H_BLOCK = 64  # the W8A8 kernel re-quantizes h in 1 x 64 runs before Linear-2 (megamoe.api at 0b9ce82)
+FP8_H_BLOCK = 64  # h is re-quantized in 1 x 64 runs before Linear-2 in 128 x 128 tiles (wide: fp8_h_block)
 
 
 def fp8_h_block(layer) -> int:

@@ -234,7 +234,7 @@ def setup_seconds(cfg: Config, new_shape: bool, dump: bool = False) -> float:
 
 def reference_for(precision: str, x, idx, wts, w1, w2, h_block: int = 64):
     """(the reference output, what it is), or (None, why there is none) for ``precision``; ``h_block``: the
-    quantized layer's intermediate scale run (megamoe_bench.fp8_h_block)."""
+    quantized layer's intermediate scale run (benchmarks.megamoe.fp8_h_block)."""
     import torch
 
     import megamoe.reference as ref
