@@ -204,13 +204,10 @@ def stage_weight_scales(s1: torch.Tensor, s2: torch.Tensor, num_local: int, hidd
     w1 = torch.zeros(e, i, h, 4, dtype=torch.float32, device=s1.device)
     w1[..., 0], w1[..., 1] = g[:, 0], g[:, 1]
     b = s2.reshape(e, h, i).float()
-    if block_n == 2 * sched.BLOCK_N:
-        w2 = torch.zeros(e, h // 2, i, 4, dtype=torch.float32, device=s2.device)
-        w2[..., 0], w2[..., 1] = b[:, 0::2], b[:, 1::2]
-        return w1.view(e * i, h * 4), w2.view(e * h // 2, i * 4)
-    w2 = torch.zeros(e, h, i, 4, dtype=torch.float32, device=s2.device)
-    w2[..., 0], w2[..., 1] = b, b
-    return w1.view(e * i, h * 4), w2.view(e * h, i * 4)
+    per = block_n // sched.BLOCK_N  # weight blocks per L2 N block: 1 (its scale twice) or 2
+    w2 = torch.zeros(e, h // per, i, 4, dtype=torch.float32, device=s2.device)
+    w2[..., 0], w2[..., 1] = b[:, 0::per], b[:, per - 1::per]
+    return w1.view(e * i, h * 4), w2.view(e * h // per, i * 4)
 
 
 def interleave_gate_up(l1: torch.Tensor) -> torch.Tensor:

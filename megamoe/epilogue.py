@@ -140,9 +140,8 @@ class StagedEpilogueMixin:
             inv = Float32(1.0) / scale  # one division per row, then products
             tile_row = rows_c[r, 0][0]
             for i in cutlass.range_constexpr(half // 2):
-                g = 2 * i + (2 * i // run) * run
-                # the tile's intermediate column (< N / 2): gate column a of the tile, less the up runs before it
-                col = rows_c[r, g][1] - (rows_c[r, g][1] // (2 * GATE_COLS)) * GATE_COLS
+                a = rows_c[r, 2 * i + (2 * i // run) * run][1]  # the tile column of h column 2 i's gate value
+                col = a - (a // (2 * GATE_COLS)) * GATE_COLS  # h's column: a less the up runs before it
                 for k in cutlass.range_constexpr(2):
                     q = h[2 * i + k] * inv
                     pair[k] = cutlass.min(cutlass.max(q, Float32(-FP8_MAX)), Float32(FP8_MAX))

@@ -38,7 +38,7 @@ from quack import layout_utils
 
 from megamoe import tile_stream as ts
 from megamoe.phases import WG_THREADS, NamedBarrierMoE
-from megamoe.schedule import BLOCK_M
+from megamoe.schedule import BLOCK_M, BLOCK_N
 
 FP8_GROUP = 4  # K blocks per mainloop iteration
 
@@ -171,27 +171,24 @@ class Fp8MainloopMixin:
         L1 each half (gate 64, up 64 rows) takes the gate and up blocks' (sb[0], sb[1]); L2 half h the block h
         of the tile's two (sb[h])."""
         steps = cute.size(tCrA, mode=[2])  # k32 WGMMA steps per block
+        cols = cute.size(layout_utils.reshape_acc_to_mn(blk), mode=[1])  # a thread's columns of one half
         for kb in cutlass.range(n_kb, unroll=1):
             pipe.consumer_wait(state)
             if const_expr(self.instrument):
                 if kb == 0:
                     t_data = cute.arch.globaltimer()
-            self.wgmma_k(mma, blk, tCrA, tCrB[0], state.index, 0, steps)
-            self.read_block_scales(cur, 1, kb, state.index, arow, stage_scales)
-            warpgroup.wait_group(0)
             sb = cur[2]
-            if const_expr(l2):
-                self.promote(acc, blk, cur[0], sb[0], sb[0])
-            else:
-                self.promote(acc, blk, cur[0], sb[0], sb[1])
-            self.wgmma_k(mma, blk, tCrA, tCrB[1], state.index, 0, steps)
-            warpgroup.wait_group(0)
-            pipe.consumer_release(state)
-            cols = cute.size(layout_utils.reshape_acc_to_mn(blk), mode=[1])
-            if const_expr(l2):
-                self.promote(acc, blk, cur[0], sb[1], sb[1], cols)
-            else:
-                self.promote(acc, blk, cur[0], sb[0], sb[1], cols)
+            for h in cutlass.range_constexpr(2):
+                self.wgmma_k(mma, blk, tCrA, tCrB[h], state.index, 0, steps)
+                if const_expr(h == 0):  # the block's scales, read under its first WGMMA
+                    self.read_block_scales(cur, 1, kb, state.index, arow, stage_scales)
+                warpgroup.wait_group(0)
+                if const_expr(h == 1):
+                    pipe.consumer_release(state)
+                if const_expr(l2):
+                    self.promote(acc, blk, cur[0], sb[h], sb[h], h * cols)
+                else:
+                    self.promote(acc, blk, cur[0], sb[0], sb[1], h * cols)
             state.advance()
         return state, t_data
 
@@ -213,7 +210,7 @@ class Fp8MainloopMixin:
         t_data = Int64(0)
         # L2: the intermediate's scales were stored by other CTAs' L1 epilogues before their release on
         # l1_done[p]; the producer acquired that counter and fenced the async proxy before this tile's TMA loads
-        if const_expr(len(blks) == 1):  # 128 x 256 (MegaMoEForward.mma): one half-width block accumulator
+        if const_expr(self.bn == 2 * BLOCK_N):  # 128 x 256 (MegaMoEForward.mma): one half-width accumulator
             if kind == ts.KIND_L1:
                 state, t_data = self.fp8_wide_k_loop(self.k1, False, mma, acc, blks[0], tCrA, tCrB, pipe, state,
                                                      arow, stage_scales, cur, t_data)

@@ -96,11 +96,10 @@ def _wide_capacity(num_experts, top_k, world=1, precision="bf16"):
 def _layer(num_experts, top_k, tokens, hidden=SMALL["hidden"], **kw):
     """A world-1 layer with room for ``tokens``; at hidden WIDE, room for the wide tile's capacity (W4A8 has
     no wide tile: its layers stay 128 x 128 there)."""
-    from megamoe.api import MegaMoE
-
+    from megamoe.api import MegaMoE, precision_of
     from megamoe.schedule import WIDE_TILE_MIN_ROWS_PER_EXPERT
 
-    precision = {torch.float8_e4m3fn: "w8a8", "w4a8": "w4a8"}.get(kw.get("dtype"), "bf16")
+    precision = precision_of(kw.get("dtype", torch.bfloat16))
     wide = hidden == WIDE and precision in WIDE_TILE_MIN_ROWS_PER_EXPERT
     cap = max(tokens, 1, _wide_capacity(num_experts, top_k, precision=precision) if wide else 1)
     return MegaMoE(None, num_experts, top_k, hidden, SMALL["intermediate"], max_tokens_per_rank=cap, **kw)
