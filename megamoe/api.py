@@ -131,8 +131,6 @@ class _RankState:
         self.inter_scale = torch.zeros(scale_rows, SCALE_PAIR, dtype=torch.float32, device=device)
         self.tok_slot = torch.zeros(slots, dtype=torch.int32, device=device)
         self.l1_done = torch.zeros(self.rows // sched.BLOCK_M, dtype=torch.int32, device=device)
-        # world 1: per token and Linear-2 N block, its rows still to land (the kernel sets and counts them down)
-        self.sum_left = torch.zeros(max_tokens * (hidden // sched.BLOCK_N), dtype=torch.int32, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
         self.errors = torch.zeros(4, dtype=torch.int32, device=device)
@@ -492,7 +490,7 @@ class MegaMoE:
                                 + 64)
             self.records.zero_()
         self.kernel(x, topk_idx, topk_weights, self.w1, self.w2, y, st.pool, st.inter, st.pool_src, st.pool_w,
-                    st.combine, st.counts, st.tok_slot, st.l1_done, st.sum_left, st.barrier,
+                    st.combine, st.counts, st.tok_slot, st.l1_done, st.barrier,
                     self.peer_ptrs if peer_ptrs is None else peer_ptrs, st.epoch, st.done, st.errors, self.records,
                     trial[0], st.pool_scale, st.inter_scale, self.w1_scale, self.w2_scale, self.w1_shift,
                     self.w2_shift, self.rank, self.world, self.max_tokens, ts.ORDERS[name], trial[1],

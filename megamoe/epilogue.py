@@ -157,10 +157,9 @@ class StagedEpilogueMixin:
     # ---------------------------------------------------------------- the store warps
     @cute.jit
     def store_walk(self, sC, mInter, pool_src, peer_ptrs, records, ring, s_row_off, bidx, s_ntok, l1_done, world,
-                   max_tokens, rec_cap, wg, lane, combine):
+                   max_tokens, rec_cap, wg, lane):
         """Store warp of MMA warpgroup ``wg``: per tile of the CTA's stream, its 64 staged rows out (lane takes
-        rows lane and lane + 32), as the module docstring says; at world 1, after an L2 tile, the top-k sums its
-        rows complete (``combine`` = mIdx, mComb, mY, sum_left: ``sum_landed``)."""
+        rows lane and lane + 32), as the module docstring says."""
         I, H = self.intermediate, self.hidden
         slots = max_tokens * self.top_k
         bn = self.bn
@@ -168,7 +167,6 @@ class StagedEpilogueMixin:
         atom_l2 = bulk_store.row_atom(self.dtype, bn)
         s_bytes = cute.recast_ptr(sC.iterator, dtype=cutlass.Uint8)
         dst = cute.make_rmem_tensor(cute.make_layout(2), Int64)
-        slot_of = cute.make_rmem_tensor(cute.make_layout(2), Int32)  # L2: each lane row's combine slot, or -1
         t_state = ring.reader_state()
         found, kind, p, n, e, t_state = ring.read(t_state)
         j = Int32(0)
@@ -179,7 +177,6 @@ class StagedEpilogueMixin:
             for i in cutlass.range_constexpr(2):
                 r = lane + 32 * i
                 dst[i] = Int64(0)
-                slot_of[i] = Int32(-1)
                 if r < valid:
                     if kind == ts.KIND_L1:
                         inter = mInter.iterator + cute.assume(Int64(row0 + r) * I + n * (bn // 2), divby=16)
@@ -187,7 +184,6 @@ class StagedEpilogueMixin:
                     else:
                         src = pool_src[row0 + r]
                         src_rank = src // slots
-                        slot_of[i] = src - src_rank * slots
                         comb = self.peer(peer_ptrs, "combine", src_rank, world, self.dtype, 16)
                         dst[i] = (comb + cute.assume(Int64(src - src_rank * slots) * H + n * bn,
                                                      divby=bn)).toint()
@@ -221,14 +217,10 @@ class StagedEpilogueMixin:
                     records[base + REC_STORE_BEGIN] = g0
                     records[base + REC_STORE_END] = cute.arch.globaltimer()
             j = j + 1
-            summed_n = n
-            summed = kind == ts.KIND_L2 and world == 1
             found, kind, p, n, e, t_state = ring.read(t_state)
             if found != 0:
                 cute.arch.barrier_arrive(barrier_id=NamedBarrierMoE.StagingFree + wg,
                                          number_of_threads=STAGING_THREADS)
-            if summed:  # after the staging is freed: the MMA warpgroup may stage its next tile meanwhile
-                self.sum_landed(slot_of, summed_n, *combine, lane)
         # every Combine row written (and fenced) before the MMA warpgroups' barrier B3 publishes them
         bulk_store.wait_done()
         cute.arch.barrier_arrive(barrier_id=NamedBarrierMoE.StoresDone,

@@ -21,8 +21,7 @@ One CTA per SM (at most SMs / P per emulated rank), 3 warpgroups. The launch run
    straight into its source rank's symmetric combine buffer (slot token * top_k + k): the Combine's remote
    stores, which drain while the MMA warpgroups run the next mainloop (the X-stage).
 4. **Combine**: the store warps' last rows written, barrier B3 (every rank's L2 stores performed), then
-   y[t] = sum_k combine[t, k] (fp32 sum). At world 1 each store warp sums a token's N block as its last row
-   lands (``sum_left`` counts them down; ``megamoe.phases.sum_landed``), under the GEMMs; nothing is left after B3.
+   y[t] = sum_k combine[t, k] (fp32 sum).
 
 Every wait is bounded (``cute_kernels.flags``): on timeout the error word names it and the kernel goes on.
 Cross-launch safety without host resets: ``counts`` is double-buffered by the launch epoch's parity (the
@@ -63,13 +62,10 @@ from megamoe.w4a8_dequant import SHIFT_STAGE_BYTES, SHIFT_TABLE, W4DequantMixin
 STAGE_K = {"bf16": 64, "w8a8": 128, "w4a8": 128}
 SB_STAGE = 32  # floats between two stages' 16 bytes of weight scales: a TMA destination is 128-byte aligned
 PRECISIONS = tuple(STAGE_K)
-# registers per thread of the producer warpgroup and of each MMA warpgroup (setmaxnreg). The launch gives the CTA
-# 168 x 384 (``LAUNCH_REGS``), so 128 p + 256 m <= 168 * 384: a split above it leaves setmaxnreg.inc waiting
-# forever. W4A8's mainloop spills below 232, so its store warps keep 40 registers and sum two combine rows at a
-# time; the others give the store warps 48 and four.
+# the registers per thread the launch gives (ptxas's count at 384 threads); setmaxnreg then moves them from the
+# producer warpgroup to the MMA warpgroups, so 128 num_producer_regs + 256 num_mma_regs <= 168 * 384: a split
+# above it leaves setmaxnreg.inc waiting forever (a hang, not an error; the CPU compile tests check it)
 LAUNCH_REGS = 168
-REGISTER_SPLIT = {"bf16": (48, 224), "w8a8": (48, 224), "w4a8": (40, 232)}
-SUM_BATCH = {"bf16": 4, "w8a8": 4, "w4a8": 2}
 ERR_L1_TIMEOUT = 6
 fl.ERROR_NAMES.setdefault(ERR_L1_TIMEOUT, "an L2 tile's Linear-1 row never completed (l1_done counter timed out)")
 
@@ -85,6 +81,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
     "w4a8" (E2M1 weights with a UE8M0 scale per 32, turned into W8A8's e4m3 blocks in shared memory per stage by
     the MMA warpgroups, ``megamoe.w4a8_dequant``; the rest as w8a8)."""
 
+    num_producer_regs = 40
+    num_mma_regs = 232
     ab_stages = 5
 
     def __init__(self, hidden: int, intermediate: int, top_k: int, num_local_experts: int, max_world: int = 8,
@@ -106,9 +104,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         self.num_local_experts, self.max_world, self.instrument = num_local_experts, max_world, bool(instrument)
         self.dtype = cutlass.BFloat16  # x, y, the combine rows
         self.precision, self.fp8, self.w4 = precision, precision != "bf16", precision == "w4a8"
-        # the named register split (REGISTER_SPLIT); its store warps' rows in flight in a top-k sum (sum_landed)
-        self.num_producer_regs, self.num_mma_regs = REGISTER_SPLIT[precision]
-        self.sum_batch = SUM_BATCH[precision]
         # W4A8's stage also holds the packed codes (8 KiB) and their shifts: 4 stages fit beside the staging
         self.bn = block_n  # the tile's N (schedule.block_n_for)
         self.stage_row = self.bn + 8  # staged row pitch (megamoe.epilogue)
@@ -143,13 +138,13 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             return make_fake_tensor(dtype, (cute.sym_int64(),), stride=(1,), assumed_align=align)
 
         # x, idx, weights, w1, w2, y, pool, intermediate, pool_src, pool_w, combine, counts, tok_slot, l1_done,
-        # sum_left, barrier, peer_ptrs, epoch, done, errors, records, trial, then the FP8 scales (pool,
-        # intermediate, w1, w2) and W4A8's shifts (w1, w2); W4A8's w1 and w2 are the packed E2M1 codes, two per byte
+        # barrier, peer_ptrs, epoch, done, errors, records, trial, then the FP8 scales (pool, intermediate, w1,
+        # w2) and W4A8's shifts (w1, w2); W4A8's w1 and w2 are the packed E2M1 codes, two per byte
         w1, w2 = (mat(cutlass.Uint8, H // 2), mat(cutlass.Uint8, I // 2)) if self.w4 else (mat(ab, H), mat(ab, I))
         return (mat(bf16, H), mat(Int32, k), mat(Float32, k), w1, w2, mat(bf16, H),
                 mat(ab, H), mat(ab, I), vec(Int32), vec(Float32), mat(bf16, H), vec(Int32), vec(Int32),
-                vec(Int32), vec(Int32), vec(Int64, 8), vec(Int64, 8), vec(Int64, 8), vec(Int32), vec(Int32),
-                vec(Int64, 8), vec(Int64, 8), mat(Float32, SCALE_PAIR), mat(Float32, SCALE_PAIR), mat(Float32, H // 128 * 4),
+                vec(Int32), vec(Int64, 8), vec(Int64, 8), vec(Int64, 8), vec(Int32), vec(Int32), vec(Int64, 8),
+                vec(Int64, 8), mat(Float32, SCALE_PAIR), mat(Float32, SCALE_PAIR), mat(Float32, H // 128 * 4),
                 mat(Float32, I // 128 * 4), mat(cutlass.Uint16, self.shift_cols(H)),
                 mat(cutlass.Uint16, self.shift_cols(I)), Int32(0), Int32(1), Int32(1), Int32(0), Int32(0), Int32(1),
                 Int32(1), Int32(0), Int32(1), Int64(1), Int32(1))
@@ -158,8 +153,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
     def __call__(self, mX: cute.Tensor, mIdx: cute.Tensor, mWgt: cute.Tensor, mW1: cute.Tensor,
                  mW2: cute.Tensor, mY: cute.Tensor, mPool: cute.Tensor, mInter: cute.Tensor,
                  pool_src: cute.Tensor, pool_w: cute.Tensor, mComb: cute.Tensor, counts: cute.Tensor,
-                 tok_slot: cute.Tensor, l1_done: cute.Tensor, sum_left: cute.Tensor, barrier: cute.Tensor,
-                 peer_ptrs: cute.Tensor,
+                 tok_slot: cute.Tensor, l1_done: cute.Tensor, barrier: cute.Tensor, peer_ptrs: cute.Tensor,
                  epoch: cute.Tensor, done: cute.Tensor, errors: cute.Tensor, records: cute.Tensor,
                  trial: cute.Tensor, s_pool: cute.Tensor, s_inter: cute.Tensor, s_w1: cute.Tensor,
                  s_w2: cute.Tensor, mS1: cute.Tensor, mS2: cute.Tensor, rank: Int32, world: Int32, max_tokens: Int32,
@@ -169,8 +163,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         ``mW2`` (E_l * H, I) this rank's experts (load_weights' layout); ``mY`` (T, H). Symmetric (peers write):
         ``mPool`` (rows, H), ``pool_src``/``pool_w`` (rows), ``mComb`` (max_tokens * top_k, H), ``counts``
         (2 * E_l), ``barrier`` (1). Local: ``mInter`` (rows, I), ``tok_slot`` (max_tokens * top_k),
-        ``l1_done`` (rows / 128), ``sum_left`` (max_tokens * H / 128: world 1's per-token, per-L2-N-block rows to
-        land), ``epoch``, ``done``, ``errors``, ``records``. ``peer_ptrs`` (6 * world):
+        ``l1_done`` (rows / 128), ``epoch``, ``done``, ``errors``, ``records``. ``peer_ptrs`` (6 * world):
         every rank's address of each symmetric buffer, in PEER_KINDS order. ``order``: tile_stream.WAVE or
         INTERLEAVED, the order unless ``trial_mode`` (megamoe.trial) lets ``trial`` (megamoe.auto.TRIAL_WORDS
         Int64: schedule="auto"'s slot for the launch's decision key) pick it, ``order`` its prior; ``lead``: D in
@@ -255,8 +248,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             sSB: cute.struct.Align[cute.struct.MemRange[Float32, SB_STAGE * sc_stages], 128]
 
         self.smem_bytes = SharedStorage.size_in_bytes()  # traced once; the CPU tests check it fits an SM
-        self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, sum_left,
-                    barrier, peer_ptrs, epoch, done, errors, records, trial, s_inter_flat, gX, gH, gW1, gW2, tma_x, tma_h,
+        self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
+                    peer_ptrs, epoch, done, errors, records, trial, s_inter_flat, gX, gH, gW1, gW2, tma_x, tma_h,
                     gX_half, gH_half, tma_x_half, tma_h_half,
                     tma_w1, tma_w2, gS1, gS2, tma_s1, tma_s2, gSA1, gSA2, gSB1, gSB2, tma_sa1, tma_sa2, tma_sb1, tma_sb2,
                     sA_layout, sB_layout, sC_layout, sH_layout, mma, mma_half, tx, rank, world, max_tokens, order,
@@ -265,8 +258,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
 
     # ---------------------------------------------------------------- device
     @cute.kernel
-    def kernel(self, mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, sum_left,
-               barrier, peer_ptrs, epoch, done, errors, records, trial, s_inter, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
+    def kernel(self, mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
+               peer_ptrs, epoch, done, errors, records, trial, s_inter, gX, gH, gW1, gW2, tma_x: cute.CopyAtom,
                tma_h: cute.CopyAtom, gX_half, gH_half, tma_x_half: cute.CopyAtom, tma_h_half: cute.CopyAtom,
                tma_w1: cute.CopyAtom, tma_w2: cute.CopyAtom, gS1, gS2, tma_s1: cute.CopyAtom,
                tma_s2: cute.CopyAtom, gSA1, gSA2, gSB1, gSB2, tma_sa1: cute.CopyAtom, tma_sa2: cute.CopyAtom,
@@ -317,7 +310,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             ph = Int64(grid) * rec_cap * REC_FIELDS + Int64(bidx) * PHASE_FIELDS
             if tidx == 0:
                 records[ph + PHASES.index("start")] = cute.arch.globaltimer()
-        self.count(mIdx, mY, counts, tok_slot, l1_done, sum_left, peer_ptrs, errors, parity, world, tidx, bidx, grid)
+        self.count(mIdx, counts, tok_slot, l1_done, peer_ptrs, errors, parity, world, tidx, bidx, grid)
         self.cross_rank_barrier(barrier, peer_ptrs, (e_launch * 3 + 1) * arrivals, world, errors, timeout_ns,
                                 tidx, bidx, stamp=self.stamp_at(records, ph, "b1"))
         self.dispatch(mX, mIdx, mWgt, tok_slot, peer_ptrs, s_owner, s_row_off, s_ntok, parity, rank, world,
@@ -334,8 +327,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                           storage, sA_layout, sB_layout, pipe, tx, ring, bidx, l1_done, errors, timeout_ns)
             elif warp_idx <= STORE_WARPS:
                 self.store_walk(storage.sC.get_tensor(sC_layout), mInter, pool_src, peer_ptrs, records, ring,
-                                s_row_off, bidx, s_ntok, l1_done, world, max_tokens, rec_cap, warp_idx - 1, tidx % 32,
-                                (mIdx, mComb, mY, sum_left))
+                                s_row_off, bidx, s_ntok, l1_done, world, max_tokens, rec_cap, warp_idx - 1, tidx % 32)
             else:
                 ring.publish_walk(walk, self.n1, self.n2, E)
         else:

@@ -9,7 +9,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from cute_kernels import bulk_store
 from cute_kernels import flags as fl
 from megamoe.schedule import BLOCK_M
 from megamoe.trial import close_trial
@@ -61,11 +60,8 @@ class DispatchCombineMixin:
                              assumed_align=align)
 
     @cute.jit
-    def count(self, mIdx, mY, counts, tok_slot, l1_done, sum_left, peer_ptrs, errors, parity, world, tidx, bidx,
-              grid):
-        """Zero this launch's local counters and the other parity's counts; take a slot per routed (t, k). World
-        1: each token's ``sum_left`` (per L2 N block: its routed rows, counted down as they land,
-        ``sum_landed``), and y = 0 for a token routed nowhere."""
+    def count(self, mIdx, counts, tok_slot, l1_done, peer_ptrs, errors, parity, world, tidx, bidx, grid):
+        """Zero this launch's local counters and the other parity's counts; take a slot per routed (t, k)."""
         E = self.num_local_experts
         k = self.top_k
         gtid = bidx * NUM_THREADS + tidx
@@ -75,22 +71,6 @@ class DispatchCombineMixin:
         for i in cutlass.range(gtid, E, gstride, unroll=1):
             counts[(1 - parity) * E + i] = Int32(0)
         num_tokens = Int32(cute.size(mIdx, mode=[0]))
-        if world == 1:
-            for t in cutlass.range(gtid, num_tokens, gstride, unroll=1):
-                routed = Int32(0)
-                for j in cutlass.range_constexpr(k):
-                    e = mIdx[t, j]
-                    if e >= 0 and e < E:
-                        routed = routed + 1
-                for nb in cutlass.range_constexpr(self.n2):
-                    sum_left[t * self.n2 + nb] = routed
-                if routed == 0:
-                    zero = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
-                    zero.fill(0.0)
-                    st = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-                    for v in cutlass.range(self.hidden // 8, unroll=1):
-                        dst = mY.iterator + cute.assume(Int64(t) * self.hidden + v * 8, divby=8)
-                        cute.copy(st, zero, cute.make_tensor(dst, cute.make_layout(8)))
         for q in cutlass.range(gtid, num_tokens * k, gstride, unroll=1):
             e = mIdx[q // k, q % k]
             if e >= 0 and e < world * E:
@@ -267,61 +247,6 @@ class DispatchCombineMixin:
 
     # ---------------------------------------------------------------- phase 4: combine
     @cute.jit
-    def sum_landed(self, slot_of, n, mIdx, mComb, mY, sum_left, lane):
-        """World 1, a store warp after its rows of an L2 tile (N block ``n``; lane's rows' combine slots
-        ``slot_of``, -1 for none): once they are written, each row counts its token's block down; the warp sums
-        every block whose last row this was, y[t, block n] = sum_k combine[t, k] (fp32, k in order, as
-        ``finish``), while the MMA warpgroups run on. The Combine's top-k sum then overlaps the GEMMs instead of
-        re-reading every combine row after barrier B3 (at 8192 tokens 0.5 GB, ~150 us at the HBM rate)."""
-        k = self.top_k
-        H = self.hidden
-        bulk_store.wait_done()
-        last = cute.make_rmem_tensor(cute.make_layout(2), Int32)  # the token whose block this row completes
-        for i in cutlass.range_constexpr(2):
-            last[i] = Int32(-1)
-            if slot_of[i] >= 0:
-                t = slot_of[i] // k
-                # release: this lane's rows (written, fenced to the generic proxy); acquire: every other row of
-                # the block, for the warp's loads below (ordered after this by the warp barrier)
-                old = cute.arch.atomic_add(fl.elem_ptr(sum_left, t * self.n2 + n), Int32(-1), sem="acq_rel",
-                                           scope="gpu")
-                if old == 1:
-                    last[i] = t
-        cute.arch.sync_warp()
-        vecs = self.bn // 8  # 16-byte vectors of a row's block
-        ld = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        frags = cute.make_rmem_tensor(cute.make_layout((8, min(k, self.sum_batch))), self.dtype)
-        total = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-        out = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
-        for i in cutlass.range_constexpr(2):
-            pending = cute.arch.vote_ballot_sync(last[i] >= 0)
-            while pending != 0:
-                src = Int32(31) - Int32(cute.arch.clz(pending & (Int32(0) - pending)))  # the lowest set lane
-                pending = pending & (pending - 1)
-                t = cute.arch.shuffle_sync(last[i], src)
-                e = Int32(-1)
-                if lane < k:
-                    e = mIdx[t, lane]
-                routed = cute.arch.vote_ballot_sync(e >= 0 and e < self.num_local_experts)
-                for v0 in cutlass.range_constexpr(0, vecs, 32):
-                    v = v0 + lane
-                    if v < vecs:
-                        col = n * self.bn + v * 8
-                        total.fill(0.0)
-                        for j0 in cutlass.range_constexpr(0, k, self.sum_batch):  # sum_batch rows' loads in flight
-                            for j in cutlass.range_constexpr(j0, min(j0 + self.sum_batch, k)):
-                                if (routed >> j) & 1:
-                                    src_row = mComb.iterator + cute.assume((Int64(t) * k + j) * H + col, divby=8)
-                                    cute.copy(ld, cute.make_tensor(src_row, cute.make_layout(8)),
-                                              frags[None, j - j0])
-                            for j in cutlass.range_constexpr(j0, min(j0 + self.sum_batch, k)):
-                                if (routed >> j) & 1:
-                                    total.store(total.load() + frags[None, j - j0].load().to(Float32))
-                        out.store(total.load().to(self.dtype))
-                        dst = mY.iterator + cute.assume(Int64(t) * H + col, divby=8)
-                        cute.copy(ld, out, cute.make_tensor(dst, cute.make_layout(8)))
-
-    @cute.jit
     def finish(self, mIdx, mY, mComb, barrier, peer_ptrs, epoch, done, errors, target, e_launch, world,
                timeout_ns, tidx, bidx, grid, trial_args, stamps: cutlass.Constexpr = None):
         """The MMA warpgroups after their walk: barrier B3 over every rank, then y = sum_k combine rows (one warp
@@ -336,8 +261,6 @@ class DispatchCombineMixin:
         lane = tidx % 32
         gwarp = bidx * 8 + tidx // 32
         num_tokens = Int32(cute.size(mIdx, mode=[0]))
-        if world == 1:  # every token's blocks were summed as their last row landed (sum_landed)
-            num_tokens = Int32(0)
         copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         # u vectors per lane at a time, each with its k rows' loads in flight before the sum (about 16 loads)
         u = max(1, min(4, 16 // k))
