@@ -38,7 +38,7 @@ def _register_split_fits(layer, usage) -> None:
     need = WG_THREADS * (layer.num_producer_regs + 2 * layer.num_mma_regs)
     for entry, u in usage.items():
         assert u.registers == LAUNCH_REGS, f"{entry}: {u.registers} registers, the split assumes {LAUNCH_REGS}"
-        assert need <= u.registers * NUM_THREADS, f"{entry}: the register split needs {need} of {u.registers * 384}"
+        assert need <= u.registers * NUM_THREADS, f"{entry}: the register split needs {need} of {u.registers * NUM_THREADS}"
 
 
 def _ffma_runs_under_wgmma(text: str) -> list[int]:
