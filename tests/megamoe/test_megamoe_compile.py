@@ -37,8 +37,9 @@ def _register_split_fits(layer, usage) -> None:
     assert usage, "no kernel's registers to check"
     need = WG_THREADS * (layer.num_producer_regs + 2 * layer.num_mma_regs)
     for entry, u in usage.items():
+        held = u.registers * NUM_THREADS
         assert u.registers == LAUNCH_REGS, f"{entry}: {u.registers} registers, the split assumes {LAUNCH_REGS}"
-        assert need <= u.registers * NUM_THREADS, f"{entry}: the register split needs {need} of {u.registers * NUM_THREADS}"
+        assert need <= held, f"{entry}: the register split needs {need} of the CTA's {held}"
 
 
 def _ffma_runs_under_wgmma(text: str) -> list[int]:
