@@ -51,8 +51,8 @@ from cute_kernels import timers
 from megamoe import tile_stream as ts
 from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STORE_WARPS, StagedEpilogueMixin
 from megamoe.fp8_mainloop import Fp8MainloopMixin
-from megamoe.phases import (DISPATCH_CHUNK, NUM_THREADS, SCALE_PAIR, WG_THREADS, DispatchCombineMixin,
-                            NamedBarrierMoE, scale_units)
+from megamoe.phases import (NUM_THREADS, SCALE_PAIR, WG_THREADS, DispatchCombineMixin, NamedBarrierMoE,
+                            scale_units)
 from megamoe.schedule import BLOCK_M, BLOCK_N, wide_tile_fits
 from megamoe.trial import open_trial, trial_order
 from megamoe.w4a8_dequant import SHIFT_STAGE_BYTES, SHIFT_TABLE, W4DequantMixin
@@ -248,8 +248,6 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             sSB: cute.struct.Align[cute.struct.MemRange[Float32, SB_STAGE * sc_stages], 128]
 
         self.smem_bytes = SharedStorage.size_in_bytes()  # traced once; the CPU tests check it fits an SM
-        # Dispatch stages its rows in the B stages (unused before barrier B2): a chunk per warp
-        assert cute.cosize(sB_layout) * ab.width // 8 >= NUM_THREADS // 32 * DISPATCH_CHUNK, "Dispatch's chunks"
         self.kernel(mX, mIdx, mWgt, mY, mInter, pool_src, pool_w, mComb, counts, tok_slot, l1_done, barrier,
                     peer_ptrs, epoch, done, errors, records, trial, s_inter_flat, gX, gH, gW1, gW2, tma_x, tma_h,
                     gX_half, gH_half, tma_x_half, tma_h_half,
@@ -316,7 +314,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         self.cross_rank_barrier(barrier, peer_ptrs, (e_launch * 3 + 1) * arrivals, world, errors, timeout_ns,
                                 tidx, bidx, stamp=self.stamp_at(records, ph, "b1"))
         self.dispatch(mX, mIdx, mWgt, tok_slot, peer_ptrs, s_owner, s_row_off, s_ntok, parity, rank, world,
-                      max_tokens, storage.sB.data_ptr(), tidx, bidx, grid)
+                      max_tokens, tidx, bidx, grid)
         self.cross_rank_barrier(barrier, peer_ptrs, (e_launch * 3 + 2) * arrivals, world, errors, timeout_ns,
                                 tidx, bidx, stamp=self.stamp_at(records, ph, "b2"))
         pipeline.pipeline_init_wait(cluster_shape_mn=None)

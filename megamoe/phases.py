@@ -9,7 +9,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from cute_kernels import bulk_store
 from cute_kernels import flags as fl
 from megamoe.schedule import BLOCK_M
 from megamoe.trial import close_trial
@@ -24,10 +23,6 @@ FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4  # scale = max(amax, floor) / 448: megamoe.reference's recipe (DeepGEMM's floor)
 DISPATCH_BATCH = 8  # 16 B vectors per lane in flight in Dispatch's row copies (and its FP8 runs per half-warp)
 DISPATCH_FANOUT = 8  # a token's destinations per read of its row (top_k above it reads the row again)
-# Dispatch stages a token row in chunks of this many bytes in its warp's shared memory (the AB stages, unused
-# before barrier B2), and the copy engine writes each chunk to every destination row: one bulk copy per
-# destination instead of a warp's 128-bit (W8A8: 64-bit) stores
-DISPATCH_CHUNK = 4096
 
 
 SCALE_PAIR = 2 * BLOCK_M  # fp32 scales a stage brings: units 2i, 2i + 1 of a 128-row block (the buffers' row)
@@ -115,11 +110,10 @@ class DispatchCombineMixin:
 
     @cute.jit
     def dispatch(self, mX, mIdx, mWgt, tok_slot, peer_ptrs, s_owner, s_row_off, s_ntok, parity, rank, world,
-                 max_tokens, stage, tidx, bidx, grid):
+                 max_tokens, tidx, bidx, grid):
         """Every owner's expert row offsets into shared memory, then one warp per token pushes its row (W8A8:
         quantized once) into the pool rows of its top_k experts' owners, with each row's source slot and
-        router weight. ``stage``: the CTA's shared memory for the rows in flight (DISPATCH_CHUNK bytes a warp);
-        every copy is written (and fenced) when this returns."""
+        router weight."""
         E = self.num_local_experts
         k = self.top_k
         H = self.hidden
@@ -147,8 +141,6 @@ class DispatchCombineMixin:
         gwarps = grid * (NUM_THREADS // 32)
         num_tokens = Int32(cute.size(mIdx, mode=[0]))
         elem = 1 if const_expr(self.fp8) else 2  # bytes per pool element
-        # this warp's chunk of a row
-        buf = stage + cute.assume((tidx // 32) * (DISPATCH_CHUNK // elem), divby=DISPATCH_CHUNK // elem)
         fan = min(k, DISPATCH_FANOUT)
         # one warp per token: its row read (W8A8: quantized) once per DISPATCH_FANOUT destinations, not once per
         # routed (t, k); a token row is read top_k times otherwise (8x its bytes at top-8)
@@ -178,108 +170,80 @@ class DispatchCombineMixin:
                             cute.arch.store((ps + row).llvm_ptr, Int32(rank * max_tokens * k + q))
                             cute.arch.store((pw + row).llvm_ptr, Float32(mWgt[t, g0 + j]))
                 if const_expr(self.fp8):
-                    self.push_row_fp8(src, dst, dst_scale, buf, lane)
+                    self.push_row_fp8(src, dst, dst_scale, lane)
                 else:
-                    self.push_row_bf16(src, dst, buf, lane)
-        # every row written before barrier B2 publishes them (the L1 tiles' TMA reads them after it)
-        bulk_store.wait_done()
+                    self.push_row_bf16(src, dst, lane)
 
     @cute.jit
-    def send_chunk(self, buf, dst, offset: cutlass.Constexpr, elems: cutlass.Constexpr, dtype: cutlass.Constexpr,
-                   lane):
-        """The warp's staged chunk (``elems`` of ``dtype`` at ``buf``) to each destination row of ``dst`` (0:
-        none), at element ``offset``: lane d issues destination d's bulk copy."""
-        cute.arch.fence_proxy("async.shared", space="cta")  # the lanes' chunk writes, seen by the copy engine
-        cute.arch.sync_warp()
-        atom = bulk_store.row_atom(dtype, elems)
-        for d in cutlass.range_constexpr(cute.size(dst)):
-            if lane == d and dst[d] != 0:
-                bulk_store.issue_row(atom, buf, dst[d] + offset * (dtype.width // 8), elems)
-        bulk_store.commit()
-
-    @staticmethod
-    def reclaim_chunk():
-        """The warp's previous chunk has been read out of shared memory by its copies: it may be overwritten."""
-        bulk_store.wait_read()
-        cute.arch.sync_warp()
-
-    @cute.jit
-    def push_row_bf16(self, src, dst, buf, lane):
-        """One warp: the bf16 token row at ``src`` into each pool row address of ``dst`` (0: none), a chunk of
-        DISPATCH_BATCH vectors per lane at a time: loaded (all in flight), staged at ``buf`` once the previous
-        chunk's copies have read it, then one bulk copy per destination."""
+    def push_row_bf16(self, src, dst, lane):
+        """One warp: the bf16 token row at ``src`` into each pool row address of ``dst`` (0: none). A batch of
+        vectors per lane is loaded before any is stored: 4 KB of the row in flight (one load at a time left the
+        copy latency-bound, well under the HBM rate)."""
+        H = self.hidden
         vec = 8  # bf16 per 128-bit access
-        nvec = self.hidden // vec
-        per_chunk = 32 * DISPATCH_BATCH
         copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         frags = cute.make_rmem_tensor(cute.make_layout((vec, DISPATCH_BATCH)), self.dtype)
-        for c in cutlass.range_constexpr((nvec + per_chunk - 1) // per_chunk):
-            v0 = c * per_chunk
-            c_vec = min(per_chunk, nvec - v0)
+        for b in cutlass.range(0, H // vec, 32 * DISPATCH_BATCH, unroll=1):
             for i in cutlass.range_constexpr(DISPATCH_BATCH):
-                v = i * 32 + lane
-                if v < c_vec:
-                    off = cute.assume((v0 + v) * vec, divby=vec)
+                v = b + i * 32 + lane
+                if v < H // vec:
+                    off = cute.assume(v * vec, divby=vec)
                     cute.copy(copy_atom, cute.make_tensor(src + off, cute.make_layout(vec)), frags[None, i])
-            self.reclaim_chunk()
-            for i in cutlass.range_constexpr(DISPATCH_BATCH):
-                v = i * 32 + lane
-                if v < c_vec:
-                    cute.copy(copy_atom, frags[None, i],
-                              cute.make_tensor(buf + cute.assume(v * vec, divby=vec), cute.make_layout(vec)))
-            self.send_chunk(buf, dst, v0 * vec, c_vec * vec, self.dtype, lane)
+            for j in cutlass.range_constexpr(cute.size(dst)):
+                if dst[j] != 0:
+                    row = cute.make_ptr(self.dtype, dst[j], cute.AddressSpace.gmem, assumed_align=16)
+                    for i in cutlass.range_constexpr(DISPATCH_BATCH):
+                        v = b + i * 32 + lane
+                        if v < H // vec:
+                            off = cute.assume(v * vec, divby=vec)
+                            cute.copy(copy_atom, frags[None, i], cute.make_tensor(row + off, cute.make_layout(vec)))
 
     @cute.jit
-    def push_row_fp8(self, src, dst, dst_scale, buf, lane):
+    def push_row_fp8(self, src, dst, dst_scale, lane):
         """One warp: the bf16 token row at ``src`` quantized in 1 x 128 runs (megamoe.reference's recipe:
         scale = max(amax, 1e-4) / 448, q = x * (1 / scale)) into each FP8 pool row address of ``dst`` (0: none)
         and its scales at ``dst_scale`` (run r's at ``r * BLOCK_M`` floats on). Each half-warp takes one run per
-        step (16 lanes x 8 elements), its amax by shuffles within the half; a chunk of DISPATCH_CHUNK // 128
-        runs is staged at ``buf`` and sent by one bulk copy per destination."""
-        runs = self.hidden // 128
-        chunk_runs = DISPATCH_CHUNK // 128
+        step (16 lanes x 8 elements), its amax
+        by shuffles within the half."""
+        H = self.hidden
+        runs = H // 128
         half, sub = lane % 16, lane // 16
         ld = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         st = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=64)
+        steps = (runs + 1) // 2  # the odd count's last step: both halves take the last run, one stores
         x8 = cute.make_rmem_tensor(cute.make_layout((8, DISPATCH_BATCH)), self.dtype)
         q = cute.make_rmem_tensor(cute.make_layout(8), Float32)
         q8 = cute.make_rmem_tensor(cute.make_layout(8), self.ab_dtype)
-        for c in cutlass.range_constexpr((runs + chunk_runs - 1) // chunk_runs):
-            r0 = c * chunk_runs
-            c_runs = min(chunk_runs, runs - r0)
-            steps = (c_runs + 1) // 2  # an odd count's last step: both halves take the last run, one stores
-            for b in cutlass.range(0, steps, DISPATCH_BATCH, unroll=1):
-                for i in cutlass.range_constexpr(DISPATCH_BATCH):  # the batch's loads first, all in flight
-                    if b + i < steps:
-                        col = (r0 + cutlass.min(2 * (b + i) + sub, Int32(c_runs - 1))) * 128 + half * 8
-                        cute.copy(ld, cute.make_tensor(src + cute.assume(col, divby=8), cute.make_layout(8)),
-                                  x8[None, i])
-                if b == 0:
-                    self.reclaim_chunk()
-                for i in cutlass.range_constexpr(DISPATCH_BATCH):
-                    if b + i < steps:  # warp-uniform: the shuffles below see every lane
-                        lr = cutlass.min(2 * (b + i) + sub, Int32(c_runs - 1))
-                        q.store(x8[None, i].load().to(Float32))
-                        amax = Float32(0.0)
-                        for j in cutlass.range_constexpr(8):
-                            amax = cute.arch.fmax(amax, cutlass.max(q[j], -q[j]))
-                        for off in cutlass.range_constexpr(4):  # xor 8, 4, 2, 1: within the half-warp
-                            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 8 >> off))
-                        scale = cute.arch.fmax(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
-                        inv = Float32(1.0) / scale
-                        for j in cutlass.range_constexpr(8):
-                            q[j] = cutlass.min(cutlass.max(q[j] * inv, Float32(-FP8_MAX)), Float32(FP8_MAX))
-                        q8.store(q.load().to(self.ab_dtype))
-                        if 2 * (b + i) + sub < c_runs:
-                            cute.copy(st, q8, cute.make_tensor(buf + cute.assume(lr * 128 + half * 8, divby=8),
-                                                               cute.make_layout(8)))
-                            if half == 0:
-                                for d in cutlass.range_constexpr(cute.size(dst)):
-                                    if dst[d] != 0:
-                                        sc = cute.make_ptr(Float32, dst_scale[d], cute.AddressSpace.gmem,
-                                                           assumed_align=4)
-                                        cute.arch.store((sc + (r0 + lr) * BLOCK_M).llvm_ptr, scale)
-            self.send_chunk(buf, dst, r0 * 128, c_runs * 128, self.ab_dtype, lane)
+        for b in cutlass.range(0, steps, DISPATCH_BATCH, unroll=1):
+            for i in cutlass.range_constexpr(DISPATCH_BATCH):  # the batch's loads first, all in flight
+                if b + i < steps:
+                    col = cutlass.min(2 * (b + i) + sub, Int32(runs - 1)) * 128 + half * 8
+                    cute.copy(ld, cute.make_tensor(src + cute.assume(col, divby=8), cute.make_layout(8)),
+                              x8[None, i])
+            for i in cutlass.range_constexpr(DISPATCH_BATCH):
+                if b + i < steps:  # warp-uniform: the shuffles below see every lane
+                    run = cutlass.min(2 * (b + i) + sub, Int32(runs - 1))
+                    col = run * 128 + half * 8
+                    q.store(x8[None, i].load().to(Float32))
+                    amax = Float32(0.0)
+                    for j in cutlass.range_constexpr(8):
+                        amax = cute.arch.fmax(amax, cutlass.max(q[j], -q[j]))
+                    for off in cutlass.range_constexpr(4):  # xor 8, 4, 2, 1: within the half-warp
+                        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 8 >> off))
+                    scale = cute.arch.fmax(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
+                    inv = Float32(1.0) / scale
+                    for j in cutlass.range_constexpr(8):
+                        q[j] = cutlass.min(cutlass.max(q[j] * inv, Float32(-FP8_MAX)), Float32(FP8_MAX))
+                    q8.store(q.load().to(self.ab_dtype))
+                    if 2 * (b + i) + sub < runs:
+                        for d in cutlass.range_constexpr(cute.size(dst)):
+                            if dst[d] != 0:
+                                row = cute.make_ptr(self.ab_dtype, dst[d], cute.AddressSpace.gmem, assumed_align=16)
+                                cute.copy(st, q8, cute.make_tensor(row + cute.assume(col, divby=8),
+                                                                   cute.make_layout(8)))
+                                if half == 0:
+                                    sc = cute.make_ptr(Float32, dst_scale[d], cute.AddressSpace.gmem, assumed_align=4)
+                                    cute.arch.store((sc + run * BLOCK_M).llvm_ptr, scale)
 
     # ---------------------------------------------------------------- phase 4: combine
     @cute.jit

@@ -1,5 +1,5 @@
-"""The MegaMoE kernel as built for sm_90a (CPU, fake tensors): WGMMA in the SASS (HGMMA), bulk row copies for
-the dispatch, the intermediate and the combine rows, 128-bit stores for y, no spills, with and without instrumentation; the
+"""The MegaMoE kernel as built for sm_90a (CPU, fake tensors): WGMMA in the SASS (HGMMA), 128-bit stores for
+the dispatch, the intermediate and the combine, no spills, with and without instrumentation; the
 constructor's and the weight transform's refusals and layout. Each check asserts that what it compares was
 found."""
 from __future__ import annotations
@@ -25,14 +25,6 @@ def _compile(tmp_path, *shape, instrument=False):
     k = MegaMoEForward(*layer, instrument=instrument, block_n=block_n)
     return k, compile_kernel(k, *k.fake_args(), make_fake_stream(use_tvm_ffi_env_stream=True),
                              dump_dir=str(tmp_path))
-
-
-def _bulk_row_copies(hidden: int, top_k: int, elem: int) -> int:
-    """Bulk row copies in the PTX: the store warps' 4 (L1 and L2, two rows per lane) and Dispatch's, one per
-    destination of each DISPATCH_CHUNK of a token row."""
-    from megamoe.phases import DISPATCH_CHUNK
-
-    return 4 + top_k * -(-hidden * elem // DISPATCH_CHUNK)
 
 
 def _register_split_fits(layer, usage) -> None:
@@ -77,14 +69,12 @@ def test_kernel_is_wgmma_with_128_bit_stores_and_no_spills(tmp_path, shape, inst
     # the mainloop: 4 k16 WGMMAs per 64-wide K block of a 64 x N warpgroup tile, peeled first block + loop
     assert c.ptx_count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16") == 8
     assert c.ptx_count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global") >= 4  # A and B, L1 and L2
-    # y: 128-bit stores; Dispatch's rows (staged in 128-bit shared stores), the intermediate and the Combine rows
-    # leave shared memory by bulk row copies (the store warps' rows handed over through named-barrier arrivals:
-    # staged rows, freed staging, the last stores done)
-    assert c.ptx_count(r"st\.global\.v4\.b32") + c.ptx_count(r"st\.global\.v4\.u32") >= 1, "128-bit stores"
-    assert c.ptx_count(r"st\.shared\.v4\.b32") + c.ptx_count(r"st\.shared\.v4\.u32") >= 1, "128-bit staging"
+    # Dispatch's pushed rows and y: 128-bit stores; the intermediate and the Combine rows leave the staging by
+    # bulk row copies from the store warps (L1 and L2, two rows per lane), which the MMA warpgroups hand over
+    # through named-barrier arrivals (staged rows, freed staging, the last stores done)
+    assert c.ptx_count(r"st\.global\.v4\.b32") + c.ptx_count(r"st\.global\.v4\.u32") >= 2, "128-bit stores"
     assert c.ptx_count(r"st\.global\.(u16|b16|v2)") == 0, "a narrower global store crept into an epilogue"
-    assert c.ptx_count(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group") == _bulk_row_copies(
-        shape[0], shape[2], 2)
+    assert c.ptx_count(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group") == 4
     assert c.ptx_count(r"cp\.async\.bulk\.wait_group\.read") >= 1 and c.ptx_count(r"stmatrix") > 0
     assert c.ptx_count(r"bar(rier)?\.arrive") >= 3
     assert (c.ptx_count(r"%clock64") > 0) == instrument, "the records are compiled out unless instrumented"
@@ -104,8 +94,7 @@ def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, inst
     """W8A8: e4m3 WGMMA (QGMMA in the SASS) in one mainloop for L1 and L2 (each 128-wide K block in two halves of
     2 k32 steps, each half its own accumulator, L1 in whole blocks, L2 in halves; each promoted under the next
     unit's WGMMA, not serialized), e4m3 conversions with saturation (Dispatch's 1 x 128 and the L1
-    epilogue's 1 x 64 quantization), the pushed rows staged at 64 bits a lane and sent by bulk copies, no
-    spills."""
+    epilogue's 1 x 64 quantization), 64-bit FP8 stores for the pushed rows, no spills."""
     from cutlass.runtime import make_fake_stream
 
     from cute_kernels.compile import compile_kernel, sass
@@ -125,12 +114,10 @@ def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, inst
     assert c.ptx_count(r"cvt\.rn\.satfinite\.e4m3x2\.f32") >= 8
     # h leaves the L1 epilogue as e4m3 pairs into the staging, then bulk row copies (64 bytes a row)
     assert c.ptx_count(r"st\.shared\.(b16|u16)") >= 8
-    assert c.ptx_count(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group") == _bulk_row_copies(
-        shape[0], shape[2], 1)
-    # the pushed FP8 rows staged at 8 bytes a lane (st.shared.v2.b32, .v4.b16 or .b64), none stored to global
-    # memory by a lane (one .b64 is the epoch's store)
-    assert c.ptx_count(r"st\.shared\.(v2\.b32|v4\.b16|b64)") >= 1
-    assert c.ptx_count(r"st\.global\.(v2\.b32|v4\.b16)") == 0
+    assert c.ptx_count(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group") == 4
+    # the pushed FP8 rows, one 8-byte store per lane (st.global.v2.b32, .v4.b16 or .b64; one more .b64 is the
+    # epoch's store)
+    assert c.ptx_count(r"st\.global\.(v2\.b32|v4\.b16|b64)") >= 2
     assert (c.ptx_count(r"%clock64") > 0) == instrument
     text = sass(c.cubin)
     if text is None:
