@@ -146,6 +146,23 @@ def ptxas_resource_usage(ptx: str, arch: str = DEFAULT_ARCH) -> dict[str, Resour
     return usage
 
 
+def register_split_shortfall(ptx: str, registers: int) -> int:
+    """Registers a warp-specialized kernel's setmaxnreg split asks for beyond what its launch holds (0: it fits).
+
+    The launch gives every thread ``registers`` (ptxas's count) for ``.reqntid`` threads; the first warpgroup then
+    shrinks to the ``setmaxnreg.dec`` count and the others grow to the ``setmaxnreg.inc`` count. A split that
+    asks for more than the CTA holds leaves ``setmaxnreg.inc`` waiting forever: a hang, not an error.
+    """
+    threads = re.search(r"\.reqntid\s+(\d+)", ptx)
+    dec = re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+);", ptx)
+    inc = re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+);", ptx)
+    if threads is None or len(set(dec)) != 1 or len(set(inc)) != 1:
+        raise ValueError(f"not one .reqntid and one setmaxnreg split in the PTX (dec {dec}, inc {inc})")
+    n = int(threads.group(1))
+    need = 128 * int(dec[0]) + (n - 128) * int(inc[0])
+    return max(0, need - registers * n)
+
+
 def _nvdisasm() -> str | None:
     """nvdisasm from PATH, else the copy triton ships (a dependency of quack), else None."""
     found = shutil.which("nvdisasm")

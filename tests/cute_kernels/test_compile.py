@@ -108,3 +108,16 @@ def test_missing_or_old_ptxas_gives_none(monkeypatch):
     _fake_ptxas(monkeypatch, "ptxas fatal   : syntax error", 255)
     with pytest.raises(RuntimeError, match="ptxas failed"):
         ck.ptxas_resource_usage(".entry x")
+
+
+def test_register_split_shortfall_reads_the_split_and_the_launch():
+    """48 / 232 over 384 threads asks for 128 * 48 + 256 * 232 = 65536 registers; a launch at 168 a thread holds
+    64512 (the split that hung MegaMoE, session 24), at 176 it fits; a PTX without one split is refused."""
+    from cute_kernels.compile import register_split_shortfall
+
+    ptx = (".entry k() .reqntid 384, 1, 1 {\n setmaxnreg.dec.sync.aligned.u32 \t48;\n"
+           " setmaxnreg.inc.sync.aligned.u32 \t232;\n}")
+    assert register_split_shortfall(ptx, 168) == 1024
+    assert register_split_shortfall(ptx, 176) == 0
+    with pytest.raises(ValueError, match="setmaxnreg"):
+        register_split_shortfall(".entry k() .reqntid 128, 1, 1 {}", 168)
