@@ -36,14 +36,12 @@ def _sass(compiled) -> str:
 
 def _no_spills(compiled) -> None:
     """No spills, and the register split fits the launch (ptxas -v on the PTX)."""
-    from cute_kernels.compile import ptxas_resource_usage
+    from cute_kernels.compile import ptxas_resource_usage, register_split_shortfall
 
     usage = ptxas_resource_usage(compiled.ptx, "sm_90a")
     if usage is None:
         pytest.skip("no ptxas on PATH new enough for this PTX: cannot check spills")
     assert usage, "ptxas reported no kernel entry"
-    from cute_kernels.compile import register_split_shortfall
-
     for name, u in usage.items():
         assert u.spill_stores == 0 and u.spill_loads == 0 and u.stack_bytes == 0, (name, u)
         # the producer / MMA register split must fit what the launch gives the CTA, or setmaxnreg.inc hangs
