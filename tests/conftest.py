@@ -51,14 +51,15 @@ def seed(request) -> int:
 @pytest.fixture
 def no_spills():
     """``no_spills(ptx, arch="sm_90a")``: assemble ``ptx`` with ptxas -v and assert every kernel entry uses no
-    local memory (no spill stores or loads, no stack frame); returns {entry: ResourceUsage} and prints each
-    entry's registers. Skips, with the reason, where no ptxas on PATH can assemble this PTX, so the check is
+    local memory (no spill stores or loads, no stack frame) and, where the PTX has a setmaxnreg split, that
+    the split fits the launch's registers (``cute_kernels.compile.register_split_shortfall``); returns
+    {entry: ResourceUsage} and prints each entry's registers. Skips, with the reason, where no ptxas on PATH can assemble this PTX, so the check is
     never passed without being made."""
     import re
     import shutil
     import subprocess
 
-    from cute_kernels.compile import ptxas_resource_usage
+    from cute_kernels.compile import ptxas_resource_usage, register_split_shortfall
 
     def check(ptx: str, arch: str = "sm_90a"):
         entries = re.findall(r"\.entry\s+(\w+)", ptx)
@@ -79,6 +80,9 @@ def no_spills():
                   f"stores, {u.spill_loads} B spill loads: {name[:80]}")
             assert u.registers > 0, (name, u.raw)
             assert (u.spill_stores, u.spill_loads, u.stack_bytes) == (0, 0, 0), (name, u)
+            if "setmaxnreg" in ptx:  # a warp-specialized split must fit the launch, or setmaxnreg.inc hangs
+                short = register_split_shortfall(ptx, u.registers)
+                assert short == 0, f"{name}: the register split needs {short} registers more than the launch's"
         return usage
 
     return check

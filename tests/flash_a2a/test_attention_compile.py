@@ -34,21 +34,6 @@ def _sass(compiled) -> str:
     return text
 
 
-def _no_spills(compiled) -> None:
-    """No spills, and the register split fits the launch (ptxas -v on the PTX)."""
-    from cute_kernels.compile import ptxas_resource_usage, register_split_shortfall
-
-    usage = ptxas_resource_usage(compiled.ptx, "sm_90a")
-    if usage is None:
-        pytest.skip("no ptxas on PATH new enough for this PTX: cannot check spills")
-    assert usage, "ptxas reported no kernel entry"
-    for name, u in usage.items():
-        assert u.spill_stores == 0 and u.spill_loads == 0 and u.stack_bytes == 0, (name, u)
-        # the producer / MMA register split must fit what the launch gives the CTA, or setmaxnreg.inc hangs
-        short = register_split_shortfall(compiled.ptx, u.registers)
-        assert short == 0, f"{name}: the register split needs {short} registers more than the launch's {u.registers}"
-
-
 def _window(text: str) -> list[tuple[int, int]]:
     """The KV loop's softmax window (exponentials, FFMAs between the S wait and the PV wait): found, once."""
     from cute_kernels.compile import softmax_overlap
@@ -65,7 +50,7 @@ def _fused(**knobs) -> dict:
 @pytest.mark.parametrize("store", ["st", "paced"])
 @pytest.mark.parametrize("mode", ["local", "piggyback", "completion_coupled"])
 @pytest.mark.parametrize("head_dim", [128, 64])
-def test_variants_compile_with_wgmma_and_128_bit_stores(tmp_path, mode, head_dim, store):
+def test_variants_compile_with_wgmma_and_128_bit_stores(tmp_path, mode, head_dim, store, no_spills):
     from flash_a2a.attention import FlashAttentionA2AForward
 
     n_dst = 1 if mode == "local" else 2
@@ -87,7 +72,7 @@ def test_variants_compile_with_wgmma_and_128_bit_stores(tmp_path, mode, head_dim
         assert c.ptx_count(r"ld\.relaxed\.sys") >= 1, "bounded wait for the receiver's ready flag"
         assert c.ptx_count(r"ld\.acquire\.sys") == 0, "no acquire (L1 invalidation) per poll"
         assert c.ptx_count(r"%globaltimer") >= 1, "the ready wait is bounded by a deadline"
-    _no_spills(c)
+    no_spills(c.ptx)
 
 
 def test_flag_protocol_per_walk(tmp_path):
@@ -152,7 +137,7 @@ def test_fused_and_split_kernels_keep_the_local_kv_loop(tmp_path):
             assert c.ptx_count(r"griddepcontrol\.launch_dependents") == 1, name
 
 
-def test_paced_stores_issue_inside_the_q_loop(tmp_path):
+def test_paced_stores_issue_inside_the_q_loop(tmp_path, no_spills):
     """store="paced": the KV loop (16 HGMMAs at d = 128) also holds a 128-bit global store and a shared-memory
     load (a vector of the previous tile's staged rows); the burst's loop holds no global store."""
     from cute_kernels.compile import hgmma_loop
@@ -164,13 +149,13 @@ def test_paced_stores_issue_inside_the_q_loop(tmp_path):
         assert "STL" not in text and "LDL" not in text
         loops[store] = hgmma_loop(text, 16)
         assert loops[store] is not None, store
-        _no_spills(c)
+        no_spills(c.ptx)
     assert not any("STG" in x for x in loops["st"])
     assert any("STG.E.128" in x for x in loops["paced"]), loops["paced"]
     assert any(re.search(r"(^|\s)LDS", x) for x in loops["paced"])
 
 
-def test_split_tail_kernel_counts_chunks_and_waits_for_the_rounds(tmp_path):
+def test_split_tail_kernel_counts_chunks_and_waits_for_the_rounds(tmp_path, no_spills):
     """The split's tail launch (walk "tail"): WGMMA, a GPU-scope acq_rel atomic per chunk count, the chunk
     count and buffers from its own typed arguments (no 64-bit global load of an argument table before the
     walk), and in the fused kernel the wait for the rounds kernel before its flags."""
@@ -179,10 +164,10 @@ def test_split_tail_kernel_counts_chunks_and_waits_for_the_rounds(tmp_path):
         assert c.ptx_count(WGMMA) >= 16, name
         assert c.ptx_count(r"atom(\.global)?\.acq_rel(\.gpu)?(\.global)?\.add") >= 1, name
         assert c.ptx_count(r"griddepcontrol\.wait") == (1 if name == "fused" else 0), name
-        _no_spills(c)
+        no_spills(c.ptx)
 
 
-def test_relay_tail_compiles_with_its_copies_in_the_q_loop(tmp_path):
+def test_relay_tail_compiles_with_its_copies_in_the_q_loop(tmp_path, no_spills):
     """relay=True (the fused tail launch sends the rounds kernel's shadowed peer tiles on): 128-bit loads and
     stores beyond the plain tail kernel's, the grid-dependency wait ahead of its first load as well as before
     the flags, no spills; in the KV loop each event takes its addresses from shared memory and no integer
@@ -200,7 +185,7 @@ def test_relay_tail_compiles_with_its_copies_in_the_q_loop(tmp_path):
     assert "LDG.E.128" in text and "STG.E.128" in text, "the relay's load and store sit in the KV loop"
     assert "LDS.64" in text and "LDG.E.64" not in text, "addresses from shared memory, not global"
     assert "MUFU.RCP" not in text and "I2F" not in text, "no integer division in the KV loop"
-    _no_spills(relay)
+    no_spills(relay.ptx)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -244,7 +229,7 @@ def test_bad_input_rejected_before_launch():
                                    {"lse": True, "separate_kv": True}, {"masked_kv": True},
                                    {"masked_kv": True, "separate_kv": True}, {"masked_q": True},
                                    {"masked_q": True, "masked_kv": True, "separate_kv": True, "lse": True}])
-def test_cross_attention_gqa_lse_and_any_length_keep_the_kv_loop(tmp_path, knobs):
+def test_cross_attention_gqa_lse_and_any_length_keep_the_kv_loop(tmp_path, knobs, no_spills):
     """separate_kv (K/V of their own length and heads: cross-attention, GQA/MQA) changes the K/V head and the
     KV-block count only, outside the KV loop: its softmax window stays the default's. masked_kv loads the
     partial last KV block first and masks it in the Q-loop's peeled first block, masked_q leaves the last tile's
@@ -258,12 +243,12 @@ def test_cross_attention_gqa_lse_and_any_length_keep_the_kv_loop(tmp_path, knobs
     assert total == 66 and (ahead == 47 if knobs.get("lse") else 47 <= ahead <= 52), (ahead, total)
     if not any(knobs.get(f) for f in ("lse", "masked_q", "masked_kv")):
         assert ahead == 52
-    _no_spills(c)
+    no_spills(c.ptx)
 
 
 @pytest.mark.parametrize("knobs", [{}, {"masked_q": True}, {"masked_kv": True, "separate_kv": True},
                                    {"masked_q": True, "masked_kv": True, "separate_kv": True, "lse": True}])
-def test_d64_three_warpgroup_tiles_compile(tmp_path, knobs):
+def test_d64_three_warpgroup_tiles_compile(tmp_path, knobs, no_spills):
     """tile_m=192 (d = 64, the local one-launch kernel): three MMA warpgroups at 160 registers and a producer at
     32 (FA4's SM90 split), GEMM issue round robin over three scheduler barriers, a 192-row Q tile through TMA,
     12 HGMMAs per KV block (QKᵀ 64x128x64 in 4 k-steps, PV 64x64x128 in 8), no spills; every variant, since the
@@ -283,7 +268,7 @@ def test_d64_three_warpgroup_tiles_compile(tmp_path, knobs):
     assert len(_window(text)) == 1
     # the ping-pong pairs two warpgroups (256 threads) on the next one's scheduler barrier, a run-time id
     assert any("BAR.ARV" in x and "0x100" in x for x in body) and any("BAR.SYNC" in x and "0x100" in x for x in body)
-    _no_spills(c)
+    no_spills(c.ptx)
 
 
 def test_d64_masked_kv_peels_the_partial_block_load(tmp_path):
@@ -306,13 +291,13 @@ def test_d64_masked_kv_peels_the_partial_block_load(tmp_path):
     assert len(loads) == len(plain), "the masked producer's loop is the whole-block one"
 
 
-def test_q_double_buffer_keeps_the_kv_loop(tmp_path):
+def test_q_double_buffer_keeps_the_kv_loop(tmp_path, no_spills):
     """q_stages=2 (the next tile's Q under this tile's loop): two Q stages, so the Q TMA load takes a stage index,
     and the KV loop's schedule stays the default's (52 of 66 exponentials ahead of the PV wait); no spills."""
     c = _compile(tmp_path / "v", head_dim=128, mode="local", q_stages=2, separate_kv=True)
     assert c.ptx_count(WGMMA) >= 16
     assert _window(_sass(c)) == [(52, 66)]
-    _no_spills(c)
+    no_spills(c.ptx)
 
 
 @pytest.mark.parametrize("knobs, match", [({"q_stages": 3}, "q_stages must be"),
@@ -329,13 +314,13 @@ def test_stage_counts_only_where_built(knobs, match):
 @pytest.mark.parametrize("knobs", [{"mode": "piggyback", "n_dst": 2}, {"mode": "piggyback", "n_dst": 2, "store": "paced"},
                                    {"mode": "completion_coupled", "n_dst": 4, "masked_q": True, "masked_kv": True,
                                     "ranked": True}])
-def test_fused_d64_three_warpgroup_kernels_compile(tmp_path, knobs):
+def test_fused_d64_three_warpgroup_kernels_compile(tmp_path, knobs, no_spills):
     """The fused kernels on 192-row d = 64 tiles: the flag protocol's fences, WGMMA, 128-bit stores, no spills."""
     c = _compile(tmp_path / "v", **{"head_dim": 64, "tile_m": 192, **knobs})
     assert c.ptx_count(WGMMA) >= 12 and c.ptx_count(r"st\.global\.v4") >= 1
     assert c.ptx_count(r"fence\.acq_rel\.sys") == (3 if knobs["mode"] == "completion_coupled" else 2)
     assert c.ptx_count(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160;") == 1
-    _no_spills(c)
+    no_spills(c.ptx)
 
 
 def test_d64_three_warpgroups_only_where_built():
@@ -379,7 +364,7 @@ def test_lse_needs_the_local_one_launch_kernel_and_masks_one_launch():
                                    {"masked_q": True, "ranked": True, "q_stages": 2},
                                    {"mode": "piggyback", "n_dst": 2, "masked_q": True, "masked_kv": True,
                                     "ranked": True, "separate_kv": True}])
-def test_ranked_kernels_compile(tmp_path, knobs):
+def test_ranked_kernels_compile(tmp_path, knobs, no_spills):
     """ranked (S/P not a multiple of 128: tiles cut from each rank's slice, the fused kernel and FA-only in its
     order): WGMMA, the Q tile through TMA at its slice's row, 128-bit stores, the KV loop's 66 exponentials, no
     spills."""
@@ -388,7 +373,7 @@ def test_ranked_kernels_compile(tmp_path, knobs):
     assert c.ptx_count(r"cp\.async\.bulk\.tensor") >= 3 and c.ptx_count(r"st\.global\.v4") >= 1
     (ahead, total), = _window(_sass(c))
     assert total == 66 and ahead >= 45, (ahead, total)
-    _no_spills(c)
+    no_spills(c.ptx)
 
 
 @pytest.mark.parametrize("q_shape,kv_shape,match", [

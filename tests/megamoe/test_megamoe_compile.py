@@ -27,19 +27,14 @@ def _compile(tmp_path, *shape, instrument=False):
                              dump_dir=str(tmp_path))
 
 
-def _register_split_fits(ptx: str, usage) -> None:
-    """The launch gives each thread ptxas's register count (LAUNCH_REGS, which the split was sized for);
-    setmaxnreg then moves registers from the producer warpgroup to the two MMA warpgroups. A split needing more
-    than the CTA holds waits forever at the increase (a hang, not an error), so each kernel's count must cover
-    it (``cute_kernels.compile.register_split_shortfall`` reads the split from the PTX)."""
-    from cute_kernels.compile import register_split_shortfall
+def _launch_regs_as_sized(usage) -> None:
+    """The launch gives each thread ptxas's register count, and the setmaxnreg split (which ``no_spills`` checks
+    against that count) was sized for LAUNCH_REGS: a kernel at another count has outgrown or undershot it."""
     from megamoe.kernel import LAUNCH_REGS
 
     assert usage, "no kernel's registers to check"
     for entry, u in usage.items():
         assert u.registers == LAUNCH_REGS, f"{entry}: {u.registers} registers, the split assumes {LAUNCH_REGS}"
-        short = register_split_shortfall(ptx, u.registers)
-        assert short == 0, f"{entry}: the register split needs {short} registers more than the launch gives"
 
 
 def _ffma_runs_under_wgmma(text: str) -> list[int]:
@@ -85,7 +80,7 @@ def test_kernel_is_wgmma_with_128_bit_stores_and_no_spills(tmp_path, shape, inst
     # ptxas serializes every WGMMA (a wait after each, warning C7514) when other instructions read an
     # accumulator in flight; then there is one WARPGROUP.DEPBAR per WGMMA instead of one per wait
     assert text.count("WARPGROUP.DEPBAR") < text.count(f"HGMMA.64x{bn}x16.F32.BF16"), "WGMMA serialized"
-    _register_split_fits(c.ptx, no_spills(c.ptx))
+    _launch_regs_as_sized(no_spills(c.ptx))
 
 
 @pytest.mark.parametrize("instrument", [False, True])
@@ -131,7 +126,7 @@ def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, inst
     # a wait that leaves one WGMMA group in flight and the next QGMMA issue: every unit but a group's last two
     covered = _ffma_runs_under_wgmma(text)
     assert sum(n >= 64 for n in covered) >= 3 * FP8_GROUP - 4, f"promotions not under a WGMMA: {covered}"
-    _register_split_fits(c.ptx, no_spills(c.ptx))
+    _launch_regs_as_sized(no_spills(c.ptx))
 
 
 @pytest.mark.parametrize("instrument", [False, True])
@@ -157,7 +152,7 @@ def test_w8a8_wide_tile_promotes_each_half_through_one_block_accumulator(tmp_pat
     assert text.count("QGMMA.64x128x32.F32.E4M3.E4M3") == n_wgmma, "FP8 WGMMA in the SASS"
     assert text.count("WARPGROUP.DEPBAR") == n_wgmma // 4, "one wait per half, none serializing a WGMMA"
     assert text.count("UTMALDG") == 10, "the scales by TMA with their stage"
-    _register_split_fits(c.ptx, no_spills(c.ptx))
+    _launch_regs_as_sized(no_spills(c.ptx))
 
 
 @pytest.mark.parametrize("shape", FP8_SHAPES)
@@ -195,7 +190,7 @@ def test_w4a8_kernel_converts_in_shared_memory_then_runs_the_w8a8_mainloop(tmp_p
     assert text.count("QGMMA.64x128x32.F32.E4M3.E4M3") == n_wgmma, "FP8 WGMMA in the SASS"
     assert text.count("WARPGROUP.DEPBAR") < text.count("QGMMA.64x128x32.F32.E4M3.E4M3"), "WGMMA serialized"
     assert text.count("STS.128") >= 4 * n_conv and text.count("PRMT") >= 16 * n_conv
-    _register_split_fits(c.ptx, no_spills(c.ptx))
+    _launch_regs_as_sized(no_spills(c.ptx))
 
 
 def test_peer_table_rows_agree():
