@@ -60,6 +60,16 @@ class StagedEpilogueMixin:
         the L1 epilogue about 1.5 us a tile); the bf16 or e4m3 rounding that follows dominates their error."""
         return g * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-g, fastmath=True))
 
+    @staticmethod
+    def silu_tanh(g):
+        """g * sigmoid(g) as (g / 2) tanh(g / 2) + g / 2 (quack.activation.silu_tanh): one MUFU op (tanh.approx,
+        relative error 2^-11) instead of exp's and the reciprocal's, in the FP8 L1 epilogue (~2 us a 128 x 256
+        tile, partly bound by the MUFU unit's 16 a clock an SM), whose e4m3 rounding dwarfs that error. W8A8
+        0.6-0.9% faster at 4096-8192 tokens, W4A8 0.5% (one H100, megamoe_silu_tanh_old_vs_new_42d676b.json);
+        bf16 keeps ``silu``: its h is rounded to bf16 only."""
+        half = g * Float32(0.5)
+        return half * cute.math.tanh(half, approx=True) + half
+
     @cute.jit
     def staging_acquire(self, wg, j, probe) -> Int64:
         """Before writing tile ``j``'s rows: wait until the store warp has read the previous tile's out (the
@@ -131,7 +141,7 @@ class StagedEpilogueMixin:
             amax = Float32(0.0)
             for c in cutlass.range_constexpr(half):
                 g = c + (c // run) * run  # the gate value of h's column c; its up value follows one run later
-                v = self.silu(acc_mn[r, g]) * acc_mn[r, g + run] * wts[r]
+                v = self.silu_tanh(acc_mn[r, g]) * acc_mn[r, g + run] * wts[r]
                 h[c] = v
                 amax = cute.arch.fmax(amax, cutlass.max(v, -v))
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))

@@ -122,6 +122,8 @@ def test_w8a8_kernel_is_fp8_wgmma_and_quantizes_on_the_way(tmp_path, shape, inst
     # the scales come with each stage: per kind (L1, L2) the TMA loads of A (its 128-row box and the 64-row box of
     # a tile with at most 64 tokens), B, the activation scale pair and the weight scales
     assert text.count("UTMALDG") == 10, "the scales by TMA with their stage"
+    # the L1 epilogue's silu: one tanh (MUFU.TANH) an element, no exp and reciprocal
+    assert text.count("MUFU.TANH") >= 64 and "MUFU.EX2" not in text, "silu by tanh.approx"
     # the promotions run under WGMMAs: inside a group, 64 FFMAs (a 64 x 128 warpgroup's accumulator) sit between
     # a wait that leaves one WGMMA group in flight and the next QGMMA issue: every unit but a group's last two
     covered = _ffma_runs_under_wgmma(text)
@@ -152,6 +154,8 @@ def test_w8a8_wide_tile_promotes_each_half_through_one_block_accumulator(tmp_pat
     assert text.count("QGMMA.64x128x32.F32.E4M3.E4M3") == n_wgmma, "FP8 WGMMA in the SASS"
     assert text.count("WARPGROUP.DEPBAR") == n_wgmma // 4, "one wait per half, none serializing a WGMMA"
     assert text.count("UTMALDG") == 10, "the scales by TMA with their stage"
+    # the L1 epilogue's silu: one tanh (MUFU.TANH) an element, no exp and reciprocal
+    assert text.count("MUFU.TANH") >= 64 and "MUFU.EX2" not in text, "silu by tanh.approx"
     _launch_regs_as_sized(no_spills(c.ptx))
 
 
