@@ -57,7 +57,8 @@ class StagedEpilogueMixin:
     @staticmethod
     def silu(g):
         """g * sigmoid(g) with the approximate exponential and reciprocal (an IEEE division per element cost
-        the L1 epilogue about 1.5 us a tile); the bf16 or e4m3 rounding that follows dominates their error."""
+        the L1 epilogue about 1.5 us a tile), for bf16's L1 epilogue: the bf16 rounding that follows dominates
+        their error (the FP8 precisions take ``silu_tanh``)."""
         return g * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-g, fastmath=True))
 
     @staticmethod
