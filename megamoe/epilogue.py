@@ -26,7 +26,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
-from quack import layout_utils
+from quack import activation, layout_utils
 
 from cute_kernels import flags as fl
 from cute_kernels import bulk_store, timers
@@ -58,18 +58,8 @@ class StagedEpilogueMixin:
     def silu(g):
         """g * sigmoid(g) with the approximate exponential and reciprocal (an IEEE division per element cost
         the L1 epilogue about 1.5 us a tile), for bf16's L1 epilogue: the bf16 rounding that follows dominates
-        their error (the FP8 precisions take ``silu_tanh``)."""
+        their error (the FP8 precisions take quack's ``silu_tanh``)."""
         return g * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-g, fastmath=True))
-
-    @staticmethod
-    def silu_tanh(g):
-        """g * sigmoid(g) as (g / 2) tanh(g / 2) + g / 2 (quack.activation.silu_tanh): one MUFU op (tanh.approx,
-        relative error 2^-11) instead of exp's and the reciprocal's, in the FP8 L1 epilogue (~2 us a 128 x 256
-        tile, partly bound by the MUFU unit's 16 a clock an SM), whose e4m3 rounding dwarfs that error. W8A8
-        0.6-0.9% faster at 4096-8192 tokens, W4A8 0.5% (one H100, megamoe_silu_tanh_old_vs_new_42d676b.json);
-        bf16 keeps ``silu``: its h is rounded to bf16 only."""
-        half = g * Float32(0.5)
-        return half * cute.math.tanh(half, approx=True) + half
 
     @cute.jit
     def staging_acquire(self, wg, j, probe) -> Int64:
@@ -142,7 +132,10 @@ class StagedEpilogueMixin:
             amax = Float32(0.0)
             for c in cutlass.range_constexpr(half):
                 g = c + (c // run) * run  # the gate value of h's column c; its up value follows one run later
-                v = self.silu_tanh(acc_mn[r, g]) * acc_mn[r, g + run] * wts[r]
+                # quack's silu_tanh, (g / 2) tanh(g / 2) + g / 2: one MUFU op (tanh.approx, relative error
+                # 2^-11) for exp's and the reciprocal's in this ~2 us epilogue, whose e4m3 rounding dwarfs
+                # that error: 0.6-0.9% faster (megamoe_silu_tanh_old_vs_new_42d676b.json)
+                v = activation.silu_tanh(acc_mn[r, g]) * acc_mn[r, g + run] * wts[r]
                 h[c] = v
                 amax = cute.arch.fmax(amax, cutlass.max(v, -v))
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))

@@ -53,8 +53,8 @@ def no_spills():
     """``no_spills(ptx, arch="sm_90a")``: assemble ``ptx`` with ptxas -v and assert every kernel entry uses no
     local memory (no spill stores or loads, no stack frame) and, where the PTX has a setmaxnreg split, that
     the split fits the launch's registers (``cute_kernels.compile.register_split_shortfall``); returns
-    {entry: ResourceUsage} and prints each entry's registers. Skips, with the reason, where no ptxas on PATH can assemble this PTX, so the check is
-    never passed without being made."""
+    {entry: ResourceUsage} and prints each entry's registers. Skips, with the reason, where no ptxas on PATH
+    can assemble this PTX, so the check is never passed without being made."""
     import re
     import shutil
     import subprocess
