@@ -16,8 +16,9 @@ warpgroup's view of the tile, except t_rs):
   t_rs       L2: clock64 cycles of the store warp from issuing the first warpgroup's 64 Combine rows (bulk row
              copies) to their read-out of shared memory: the sender-visible T_RS.
   phase_stamps  per CTA (not per tile): globaltimer at its start, B1 and B2 passed, the walk done, the store
-             warps' last rows written, B3 passed, its sums done; ``phases_us`` gives each span's median and max
-             over CTAs (count_b1, dispatch_b2, tiles, stores_drain, b3_wait, combine_sum) and the kernel's span.
+             warps' last rows written, B3 passed, its sums done, and its own Dispatch done (its arrival at B2);
+             ``phases_us`` gives each span's median and max over CTAs (count_b1, dispatch_b2 = dispatch +
+             b2_wait, tiles, stores_drain, b3_wait, combine_sum) and the kernel's span.
 Dumps of kernels before the staged epilogue (cb8aea6) lack t_staging_wait: there the MMA warpgroups issued the
 stores themselves, t_rs sat inside the epilogue (t_end - t_mma_end) and the exposed cost was the whole epilogue.
 Per L2 tile i and its successor j (the next slot of the same CTA of the same rank) the stall table computes
@@ -42,9 +43,12 @@ DEFAULT_CLOCK_GHZ = 1.98  # SM clock under load on the H200 (benchmarks.spans); 
 ARRAYS = ("cta", "slot", "kind", "expert", "m", "n", "sm", "t_entry", "t_data", "t_mma_end", "t_end", "t_rs")
 STAGED = "t_staging_wait"  # dumped since the staged epilogue (cb8aea6); older dumps: zeros, ``staged`` False
 PHASE_STAMPS = "phase_stamps"  # (CTAs of every rank, megamoe.epilogue.PHASES), dumped since this module's phases
-PHASE_NAMES = ("start", "b1", "b2", "walk_end", "stores_done", "b3", "sum_end")  # megamoe.epilogue.PHASES' order
-# what each phase span is: from the first stamp to the second
-PHASE_SPANS = (("count_b1", "start", "b1"), ("dispatch_b2", "b1", "b2"), ("tiles", "b2", "walk_end"),
+PHASE_NAMES = ("start", "b1", "b2", "walk_end", "stores_done", "b3", "sum_end",
+               "dispatch_end")  # megamoe.epilogue.PHASES' order
+# what each phase span is: from the first stamp to the second; dispatch_b2 = dispatch + b2_wait, the CTA's own
+# Dispatch and its wait at B2 for the slowest (dumps before the dispatch_end stamp: zeros there, no such spans)
+PHASE_SPANS = (("count_b1", "start", "b1"), ("dispatch_b2", "b1", "b2"), ("dispatch", "b1", "dispatch_end"),
+               ("b2_wait", "dispatch_end", "b2"), ("tiles", "b2", "walk_end"),
                ("stores_drain", "walk_end", "stores_done"), ("b3_wait", "stores_done", "b3"),
                ("combine_sum", "b3", "sum_end"))
 L1, L2 = 1, 2
@@ -103,9 +107,9 @@ def phase_spans(stamps) -> dict | None:
     if stamps is None or np.asarray(stamps).size == 0:
         return None
     st = np.asarray(stamps, dtype=np.int64)[:, : len(PHASE_NAMES)]
-    col = {n: st[:, i] for i, n in enumerate(PHASE_NAMES)}
+    col = {n: st[:, i] for i, n in enumerate(PHASE_NAMES) if i < st.shape[1] and (st[:, i] != 0).all()}
     out = {name: {"median_us": float(np.median(col[b] - col[a]) * 1e-3), "max_us": float((col[b] - col[a]).max() * 1e-3)}
-           for name, a, b in PHASE_SPANS}
+           for name, a, b in PHASE_SPANS if a in col and b in col}
     out["kernel_us"] = float((col["sum_end"].max() - col["start"].min()) * 1e-3)
     return out
 
@@ -337,7 +341,7 @@ def stall_markdown(table: dict, title: str = "") -> str:
                 return " / ".join(_f(get(by[k]["phases_us"]), 1) if k in by and by[k].get("phases_us") else "-"
                                   for k in ("wave", "interleaved"))
             out.append("| " + " | ".join([r["shape"], str(r["precision"]), str(r["tokens_per_rank"]), r["routing"],
-                                          str(r["world"])] + [cell(lambda p, n=n: p[n]["median_us"]) for n in names]
+                                          str(r["world"])] + [cell(lambda p, n=n: p[n]["median_us"] if n in p else None) for n in names]
                                          + [cell(lambda p: p["kernel_us"])]) + " |")
         out.append("")
     out += ["## Definitions", "", "```", table["definitions"], "```", ""]

@@ -47,8 +47,9 @@ REC_STORE_BEGIN = 8
 REC_STORE_END = 9
 # and per CTA, after every CTA's tile records, its phase stamps (globaltimer ns): kernel start, barriers B1 and
 # B2 passed (Count, then Dispatch done everywhere), the MMA side's walk done, the store warps' last rows
-# written, B3 passed, its own share of the top-k sums done
-PHASES = ("start", "b1", "b2", "walk_end", "stores_done", "b3", "sum_end", "spare")
+# written, B3 passed, its own share of the top-k sums done; last, its own Dispatch done (its arrival at B2: the
+# spread of these over CTAs is Dispatch's imbalance, B2's release minus it the CTA's wait for the slowest)
+PHASES = ("start", "b1", "b2", "walk_end", "stores_done", "b3", "sum_end", "dispatch_end")
 PHASE_FIELDS = len(PHASES)
 
 

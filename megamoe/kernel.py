@@ -316,7 +316,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         self.dispatch(mX, mIdx, mWgt, tok_slot, peer_ptrs, s_owner, s_row_off, s_ntok, parity, rank, world,
                       max_tokens, tidx, bidx, grid)
         self.cross_rank_barrier(barrier, peer_ptrs, (e_launch * 3 + 2) * arrivals, world, errors, timeout_ns,
-                                tidx, bidx, stamp=self.stamp_at(records, ph, "b2"))
+                                tidx, bidx, stamp=self.stamp_at(records, ph, "b2"),
+                                arrive_stamp=self.stamp_at(records, ph, "dispatch_end"))
         pipeline.pipeline_init_wait(cluster_shape_mn=None)
         walk = (order, s_row_off, s_row_off[E], experts_per_wave, lead, m_group, bidx, grid)
         if warp_idx < 4:

@@ -84,13 +84,16 @@ class DispatchCombineMixin:
     @cute.jit
     def cross_rank_barrier(self, barrier, peer_ptrs, target: Int64, world, errors, timeout_ns, tidx, bidx,
                            barrier_id: cutlass.Constexpr = None, num_threads: cutlass.Constexpr = NUM_THREADS,
-                           stamp: cutlass.Constexpr = None):
+                           stamp: cutlass.Constexpr = None, arrive_stamp: cutlass.Constexpr = None):
         """The CTA's threads taking part (all of them, or ``num_threads`` on named barrier ``barrier_id``): their
         stores so far are performed at system scope before any rank passes. Thread 0 fences (cumulative after
         the CTA barrier), adds one arrival on every rank's monotone counter and waits (bounded) for this
-        launch's ``target`` on its own."""
+        launch's ``target`` on its own. Instrumented: ``stamp`` = (records, index) takes the release time,
+        ``arrive_stamp`` the CTA's arrival (its threads' work before the barrier done)."""
         self.sync(barrier_id, num_threads)
         if tidx == 0:
+            if const_expr(arrive_stamp is not None):
+                arrive_stamp[0][arrive_stamp[1]] = cute.arch.globaltimer()
             cute.arch.fence_acq_rel_sys()
             for j in cutlass.range(world, unroll=1):
                 ptr = self.peer(peer_ptrs, "barrier", j, world, Int64, 8)

@@ -246,10 +246,17 @@ def test_phase_spans_from_the_stamps(tmp_path):
     without them reports None."""
     stamps = np.array([[0, 10_000, 30_000, 90_000, 92_000, 95_000, 99_000, 0],
                        [0, 12_000, 30_500, 80_000, 93_000, 95_500, 101_000, 0]], dtype=np.int64) + 10**15
+    stamps[:, 7] = 0  # a dump from before the dispatch_end stamp: its slot unwritten
     spans = ma.phase_spans(stamps)
     assert spans["count_b1"] == {"median_us": pytest.approx(11.0), "max_us": pytest.approx(12.0)}
     assert spans["tiles"]["max_us"] == pytest.approx(60.0) and spans["stores_drain"]["max_us"] == pytest.approx(13.0)
     assert spans["kernel_us"] == pytest.approx(101.0)
+    assert "dispatch" not in spans and "b2_wait" not in spans  # no dispatch_end stamps (zeros): no such spans
+    stamped = stamps.copy()
+    stamped[:, 7] = stamped[:, 1] + np.array([15_000, 18_000])
+    spans = ma.phase_spans(stamped)
+    assert spans["dispatch"] == {"median_us": pytest.approx(16.5), "max_us": pytest.approx(18.0)}
+    assert spans["b2_wait"]["max_us"] == pytest.approx(5.0) and spans["dispatch_b2"]["max_us"] == pytest.approx(20.0)
     assert ma.phase_spans(None) is None
     path = write_dump(tmp_path, name="ph")
     with np.load(tmp_path / "ph.npz") as z:

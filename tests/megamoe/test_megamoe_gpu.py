@@ -197,8 +197,11 @@ def test_instrumented_tile_order_is_the_schedule(seed, schedule, m_group, hidden
     # each CTA's phases in order, its walk ending after its last tile was staged
     from megamoe.epilogue import PHASES
 
-    ph = dump["phase_stamps"][:, : PHASES.index("spare")]
+    ph = dump["phase_stamps"][:, : PHASES.index("dispatch_end")]
     assert ph.shape == (moe.grid, len(PHASES) - 1) and (ph > 0).all() and (np.diff(ph, axis=1) >= 0).all()
+    # each CTA's own Dispatch ends after B1 and before B2 lets it go
+    d_end = dump["phase_stamps"][:, PHASES.index("dispatch_end")]
+    assert (d_end >= ph[:, PHASES.index("b1")]).all() and (d_end <= ph[:, PHASES.index("b2")]).all()
     for c in range(moe.grid):
         mine = dump["cta"] == c
         if mine.any():
