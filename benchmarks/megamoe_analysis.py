@@ -340,9 +340,9 @@ def stall_markdown(table: dict, title: str = "") -> str:
             def cell(get):
                 return " / ".join(_f(get(by[k]["phases_us"]), 1) if k in by and by[k].get("phases_us") else "-"
                                   for k in ("wave", "interleaved"))
+            spans = [cell(lambda p, n=n: p[n]["median_us"] if n in p else None) for n in names]
             out.append("| " + " | ".join([r["shape"], str(r["precision"]), str(r["tokens_per_rank"]), r["routing"],
-                                          str(r["world"])] + [cell(lambda p, n=n: p[n]["median_us"] if n in p else None) for n in names]
-                                         + [cell(lambda p: p["kernel_us"])]) + " |")
+                                          str(r["world"])] + spans + [cell(lambda p: p["kernel_us"])]) + " |")
         out.append("")
     out += ["## Definitions", "", "```", table["definitions"], "```", ""]
     return "\n".join(out)
