@@ -17,26 +17,10 @@ import sys
 ROWS, ROW_WORDS, TOKENS = 65536, 512, 8192  # 4 KiB rows of int64; 8 KiB bf16 token rows
 
 
-def median_us(fn, reps: int = 30) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[reps // 2]
-
-
 def main(argv=None) -> int:
     import torch
 
+    from calibrate.anchors import time_us
     from cute_kernels.runtime import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -67,7 +51,7 @@ def main(argv=None) -> int:
            "seed": args.seed}
     gb = 2 * ROWS * ROW_WORDS * 8 / 1e9  # read + write
     for name, fn in cases.items():
-        us = median_us(fn)
+        us = time_us(fn, warmup=3, iters=30)
         res[name] = {"us": us, "rw_GB": gb, "TB_s": gb / us * 1e3}
         print(f"{name}: {us:.1f} us, {gb / us * 1e3:.2f} TB/s (read + write)")
     with open(args.out, "w") as f:
