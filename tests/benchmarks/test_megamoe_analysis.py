@@ -269,3 +269,10 @@ def test_phase_spans_from_the_stamps(tmp_path):
     assert ma.entry_summary(entries[1], CLOCK)["phases_us"] is None
     md = ma.stall_markdown(ma.stall_table(entries, CLOCK))
     assert "## Phases" in md and "| tiny | bf16 | 64 | skewed | 2 | 11.0 / - |" in md
+
+
+def test_phase_names_follow_the_kernels_stamps():
+    """The analysis names the dumped per-CTA stamps without importing the kernel; its names are the kernel's."""
+    from megamoe.epilogue import PHASES
+
+    assert ma.PHASE_NAMES == PHASES
