@@ -2,7 +2,7 @@
 order auto picks for that shape, world, token count and routing histogram (redrawn from the row's seed) against
 the better of the two measured orders (no GPU).
 
-    python -m benchmarks.megamoe_auto benchmarks/results/h200/megamoe_grid_68bc931.json [--dtype fp8] [--out J]
+    python -m benchmarks.megamoe_auto benchmarks/results/h200/megamoe_grid_w1_7b05b02.json [--dtype fp8] [--out J]
     python -m benchmarks.megamoe_auto benchmarks/results/h200/megamoe_matrix_w4a8_f3649cd.json  (a --matrix result)
 """
 from __future__ import annotations
