@@ -15,6 +15,10 @@ warpgroup's view of the tile, except t_rs):
              sending the previous tile's (the Hopper counterpart of the paper's tmem_empty wait);
   t_rs       L2: clock64 cycles of the store warp from issuing the first warpgroup's 64 Combine rows (bulk row
              copies) to their read-out of shared memory: the sender-visible T_RS.
+  load_wait_cycles  clock64 cycles the first warpgroup waited on full stages inside the mainloop (the first K
+             block's included): how much of t_mma_end - t_entry the tile's loads left the warpgroup idle.
+  mainloop_cycles  its clock64 cycles from t_entry to t_mma_end; over that span's ns, the SM clock the tile
+             ran at (``sm_clock_ghz``), which converts the load waits to us (else the assumed clock does).
   phase_stamps  per CTA (not per tile): globaltimer at its start, B1 and B2 passed, the walk done, the store
              warps' last rows written, B3 passed, its sums done, and its own Dispatch done (its arrival at B2);
              ``phases_us`` gives each span's median and max over CTAs (count_b1, dispatch_b2 = dispatch +
@@ -42,6 +46,8 @@ import numpy as np
 DEFAULT_CLOCK_GHZ = 1.98  # SM clock under load on the H200 (benchmarks.spans); this dump cannot calibrate it
 ARRAYS = ("cta", "slot", "kind", "expert", "m", "n", "sm", "t_entry", "t_data", "t_mma_end", "t_end", "t_rs")
 STAGED = "t_staging_wait"  # dumped since the staged epilogue (cb8aea6); older dumps: zeros, ``staged`` False
+LOAD_WAIT = "load_wait_cycles"  # warpgroup 0's cycles waiting on full stages in the mainloop; older dumps lack it
+MAINLOOP_CYCLES = "mainloop_cycles"  # its clock64 cycles from t_entry to t_mma_end: the SM clock; older dumps lack it
 PHASE_STAMPS = "phase_stamps"  # (CTAs of every rank, megamoe.epilogue.PHASES), dumped since this module's phases
 PHASE_NAMES = ("start", "b1", "b2", "walk_end", "stores_done", "b3", "sum_end",
                "dispatch_end")  # megamoe.epilogue.PHASES' order
@@ -87,6 +93,9 @@ def load_dump(json_path: str, npz_path: str | None = None) -> list[dict]:
             arrays = {a: np.asarray(z[f"{prefix}.{a}"]) for a in ARRAYS}
             staged = f"{prefix}.{STAGED}" in keys
             arrays[STAGED] = np.asarray(z[f"{prefix}.{STAGED}"]) if staged else np.zeros_like(arrays["t_rs"])
+            for name in (LOAD_WAIT, MAINLOOP_CYCLES):
+                if f"{prefix}.{name}" in keys:
+                    arrays[name] = np.asarray(z[f"{prefix}.{name}"])
             if f"{prefix}.{PHASE_STAMPS}" in keys:
                 arrays[PHASE_STAMPS] = np.asarray(z[f"{prefix}.{PHASE_STAMPS}"])
             rk = f"{prefix}.rank"
@@ -140,6 +149,9 @@ def tile_table(a: dict, clock_ghz: float = DEFAULT_CLOCK_GHZ) -> dict:
     epilogue = (s["t_end"] - s["t_mma_end"]) * us
     t_rs = s["t_rs"] / (clock_ghz * 1e3)
     staging = s[STAGED] * us if STAGED in s else np.zeros_like(t_rs)
+    # the SM clock each tile ran at (GHz), where the dump has its cycles: a power-capped chip moves it by tile
+    clock = (s[MAINLOOP_CYCLES] / np.maximum(s["t_mma_end"] - s["t_entry"], 1) if MAINLOOP_CYCLES in s
+             else np.full(t_rs.shape, clock_ghz))
     full = full_tile_mask(s)
     same = (s["rank"][1:] == s["rank"][:-1]) & (s["cta"][1:] == s["cta"][:-1])
     i = np.nonzero((s["kind"][:-1] == L2) & same)[0]  # L2 tiles with a successor; j = i + 1
@@ -148,6 +160,8 @@ def tile_table(a: dict, clock_ghz: float = DEFAULT_CLOCK_GHZ) -> dict:
             "succ_i": i, "succ_j": j, "succ_kind": s["kind"][j], "t_rs_succ": t_rs[i], "cover_succ": mainloop[j],
             "pred_succ": np.maximum(0.0, t_rs[i] - mainloop[j]), "wait_succ": wait[j], "staging_succ": staging[j],
             "staging_wait": staging,
+            "load_wait": s[LOAD_WAIT] / (clock * 1e3) if LOAD_WAIT in s else None,
+            "clock": clock if MAINLOOP_CYCLES in s else None,
             "gap_succ": (s["t_entry"][j] - s["t_end"][i]) * us,
             "mma_idle_succ": (s["t_data"][j] - s["t_mma_end"][i]) * us}
 
@@ -202,6 +216,16 @@ def entry_summary(entry: dict, clock_ghz: float = DEFAULT_CLOCK_GHZ) -> dict:
             "successor_l1_fraction": float(np.mean(t["succ_kind"] == L1)) if t["succ_i"].size else None},
         "timer_tick_ns": tick, "staged": staged, "phases_us": phase_spans(a.get(PHASE_STAMPS)),
         "staging_wait_us": {"L1": _stats(t["staging_wait"][l1]), "L2": _stats(t["staging_wait"][l2])},
+        # the mainloop's waits on its loads, in tiles below their expert's last M block and in last blocks (the
+        # tails): where a tile's time goes when it is not the Tensor Cores'
+        "load_wait_us": None if t["load_wait"] is None else {
+            f"{n} {part}": _stats(t["load_wait"][(kind == k) & sel])
+            for n, k in (("L1", L1), ("L2", L2)) for part, sel in (("full", t["full"]), ("last", ~t["full"]))},
+        "mainloop_last_us": {"L1": _stats(t["mainloop"][l1 & ~t["full"]]),
+                             "L2": _stats(t["mainloop"][l2 & ~t["full"]])},
+        "sm_clock_ghz": None if t["clock"] is None else {
+            f"{n} {part}": _stats(t["clock"][(kind == k) & sel])
+            for n, k in (("L1", L1), ("L2", L2)) for part, sel in (("full", t["full"]), ("last", ~t["full"]))},
         # T_RS sits inside the epilogue, so cycles / ns over the epilogue bounds the clock from below
         "clock_ghz_used": clock_ghz,
         "clock_ghz_lower_bound": (float((a["t_rs"][a["kind"] == L2] / np.maximum(ep_ns, 1)).max())
@@ -343,6 +367,32 @@ def stall_markdown(table: dict, title: str = "") -> str:
             spans = [cell(lambda p, n=n: p[n]["median_us"] if n in p else None) for n in names]
             out.append("| " + " | ".join([r["shape"], str(r["precision"]), str(r["tokens_per_rank"]), r["routing"],
                                           str(r["world"])] + spans + [cell(lambda p: p["kernel_us"])]) + " |")
+        out.append("")
+    if any(s.get("sm_clock_ghz") for s in every):
+        parts = ("L1 full", "L1 last", "L2 full", "L2 last")
+        out += ["## Mainloops: time, wait on loads, SM clock", "",
+                "Median per tile kind (µs, µs, GHz), wave / interleaved; full: below the expert's last M block, "
+                "last: its last block. Cycles = µs x GHz: a mainloop bound by its own work keeps its cycles when "
+                "the clock moves.", "",
+                "| shape | precision | tok/rank | routing | P | " + " | ".join(parts) + " |",
+                "|" + "---|" * (5 + len(parts))]
+        for r in table["rows"]:
+            by = r["schedules"]
+
+            def kind_cell(part):
+                kind, which = part.split()
+                cells = []
+                for k in ("wave", "interleaved"):
+                    e = by.get(k)
+                    if not e or not e.get("sm_clock_ghz"):
+                        cells.append("-")
+                        continue
+                    ml = e["mainloop_full_us" if which == "full" else "mainloop_last_us"][kind]["median"]
+                    cells.append(", ".join(_f(v, d) for v, d in ((ml, 2), (e["load_wait_us"][part]["median"], 2),
+                                                                 (e["sm_clock_ghz"][part]["median"], 2))))
+                return " / ".join(cells)
+            out.append("| " + " | ".join([r["shape"], str(r["precision"]), str(r["tokens_per_rank"]), r["routing"],
+                                          str(r["world"])] + [kind_cell(p) for p in parts]) + " |")
         out.append("")
     out += ["## Definitions", "", "```", table["definitions"], "```", ""]
     return "\n".join(out)

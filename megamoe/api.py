@@ -528,7 +528,9 @@ class MegaMoE:
         counterpart of the paper's tmem_empty wait) and
         t_rs (L2: the store warp's span from issuing the Combine rows to their read-out, clock64 cycles),
         t_store_begin / t_store_end (globaltimer ns: the store warp took the staged rows / its wait for them
-        returned: read out for L2, written for L1); and ``phase_stamps`` (CTAs x megamoe.epilogue.PHASES,
+        returned: read out for L2, written for L1), load_wait_cycles (clock64 cycles warpgroup 0 waited on full
+        stages in the mainloop: the tile's wait on its loads), mainloop_cycles (its clock64 cycles from t_entry to
+        t_mma_end: over that span, the SM clock); and ``phase_stamps`` (CTAs x megamoe.epilogue.PHASES,
         globaltimer ns): each CTA's start, B1 and B2 passed, walk done, last rows written, B3 passed, sums done."""
         if not self.instrument:
             raise ValueError("build the layer with instrument=True to record tiles")
@@ -547,6 +549,7 @@ class MegaMoE:
                 "m": (packed >> 20) & 0xFFFFF, "n": packed & 0xFFFFF, "sm": r[:, 1], "t_entry": r[:, 2],
                 "t_data": r[:, 3], "t_mma_end": r[:, 4], "t_end": r[:, 5], "t_rs": r[:, 6],
                 "t_staging_wait": r[:, 7], "t_store_begin": r[:, 8], "t_store_end": r[:, 9],
+                "load_wait_cycles": r[:, 10], "mainloop_cycles": r[:, 11],
                 "phase_stamps": phases}
 
 

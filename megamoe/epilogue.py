@@ -39,12 +39,16 @@ STAGING_THREADS = WG_THREADS + 32  # an MMA warpgroup and its store warp
 STORE_WARPS = 2
 # per-tile records (instrument): packed tile, smid, t_entry, t_data, t_mma_end, t_end (globaltimer ns), T_RS
 # (clock64 cycles, the store warp's), the MMA side's staging wait (ns), then the store warp's globaltimer when
-# it took the staged rows and when its wait for them returned (read out for L2, written for L1)
-REC_FIELDS = 10
+# it took the staged rows and when its wait for them returned (read out for L2, written for L1), and warpgroup 0's
+# clock64 cycles waiting on full stages in the mainloop (MegaMoEForward.wait_stage: the tile's wait on its loads),
+# and its clock64 cycles from t_entry to t_mma_end (over that span's ns: the SM clock the tile ran at)
+REC_FIELDS = 12
 REC_T_RS = 6
 REC_STAGING_WAIT = 7
 REC_STORE_BEGIN = 8
 REC_STORE_END = 9
+REC_LOAD_WAIT = 10
+REC_MAINLOOP_CYCLES = 11
 # and per CTA, after every CTA's tile records, its phase stamps (globaltimer ns): kernel start, barriers B1 and
 # B2 passed (Count, then Dispatch done everywhere), the MMA side's walk done, the store warps' last rows
 # written, B3 passed, its own share of the top-k sums done; last, its own Dispatch done (its arrival at B2: the

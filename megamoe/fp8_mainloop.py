@@ -95,7 +95,7 @@ class Fp8MainloopMixin:
 
     @cute.jit
     def fp8_blocks(self, G: cutlass.Constexpr, split: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state,
-                   kb0, arow, stage_scales, cur, t_data, dq):
+                   kb0, arow, stage_scales, cur, t_data, dq, lw):
         """K blocks [kb0, kb0 + G) of a tile as G * ``split`` units, alternating between the two
         accumulators ``blks``, each promoted while the next unit's WGMMA runs. Each block's scales are read into
         ``cur`` from its stage (waited for by the unit issued before) ahead of its first promotion. Every WGMMA
@@ -113,7 +113,7 @@ class Fp8MainloopMixin:
         def issue(u):
             g, h = u // split, u % split
             if const_expr(h == 0):
-                pipe.consumer_wait(states[g])
+                self.wait_stage(pipe, states[g], lw)
                 if const_expr(dq is not None):
                     self.dequant_stage(dq, states[g].index, NamedBarrierMoE.DequantFull, 2 * WG_THREADS)
             self.wgmma_k(mma, blks[u % 2], tCrA, tCrB, states[g].index, h * per, (h + 1) * per)
@@ -141,7 +141,7 @@ class Fp8MainloopMixin:
 
     @cute.jit
     def fp8_k_loop(self, n_kb: cutlass.Constexpr, split: cutlass.Constexpr, mma, acc, blks, tCrA, tCrB, pipe, state,
-                   arow, stage_scales, cur, t_data, dq):
+                   arow, stage_scales, cur, t_data, dq, lw):
         """A tile's ``n_kb`` K blocks: FP8_GROUP blocks per loop iteration, the rest one at a time. W4A8 takes the
         largest group up to FP8_GROUP that divides ``n_kb`` (DiT-MoE's 9 L1 blocks: 3 x 3), so there is no
         one-block loop: with one, ptxas spilled a register there."""
@@ -151,18 +151,18 @@ class Fp8MainloopMixin:
         kb = Int32(0)
         for _ in cutlass.range(n_kb // group, unroll=1):
             state, t_data = self.fp8_blocks(group, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, arow,
-                                            stage_scales, cur, t_data, dq)
+                                            stage_scales, cur, t_data, dq, lw)
             kb = kb + group
         if const_expr(n_kb % group):
             for _ in cutlass.range(n_kb % group, unroll=1):
                 state, t_data = self.fp8_blocks(1, split, mma, acc, blks, tCrA, tCrB, pipe, state, kb, arow,
-                                                stage_scales, cur, t_data, dq)
+                                                stage_scales, cur, t_data, dq, lw)
                 kb = kb + 1
         return state, t_data
 
     @cute.jit
     def fp8_wide_k_loop(self, n_kb, l2: cutlass.Constexpr, mma, acc, blk, tCrA, tCrB, pipe, state, arow,
-                        stage_scales, cur, t_data):
+                        stage_scales, cur, t_data, lw):
         """A 128 x 256 tile's ``n_kb`` K blocks: per block the two 128-row halves of B (``tCrB`` = their
         fragments) into the one half-width block accumulator ``blk`` in turn, each promoted into its half of
         ``acc`` once its WGMMA is done; the Tensor Cores take the other warpgroup's WGMMAs meanwhile (DeepGEMM's
@@ -173,7 +173,7 @@ class Fp8MainloopMixin:
         steps = cute.size(tCrA, mode=[2])  # k32 WGMMA steps per block
         cols = cute.size(layout_utils.reshape_acc_to_mn(blk), mode=[1])  # a thread's columns of one half
         for kb in cutlass.range(n_kb, unroll=1):
-            pipe.consumer_wait(state)
+            self.wait_stage(pipe, state, lw)
             if const_expr(self.instrument):
                 if kb == 0:
                     t_data = cute.arch.globaltimer()
@@ -193,7 +193,8 @@ class Fp8MainloopMixin:
         return state, t_data
 
     @cute.jit
-    def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, rows_c, stage_scales, dq):
+    def mainloop_fp8_tile(self, mma, acc, blks, tCrA, tCrB, pipe, state, kind, arow, rows_c, stage_scales, dq,
+                          lw):
         """acc = the tile's fp32 product over its 128-wide K blocks (L1: ``k1`` blocks in whole-block units; L2:
         ``k2`` blocks in half-block units; a 128 x 256 tile, ``blks`` one half-width accumulator: whole-block
         units of each half, ``fp8_wide_k_loop``), the scales from each stage (``stage_scales``: the activation
@@ -213,15 +214,15 @@ class Fp8MainloopMixin:
         if const_expr(self.bn == 2 * BLOCK_N):  # 128 x 256 (MegaMoEForward.mma): one half-width accumulator
             if kind == ts.KIND_L1:
                 state, t_data = self.fp8_wide_k_loop(self.k1, False, mma, acc, blks[0], tCrA, tCrB, pipe, state,
-                                                     arow, stage_scales, cur, t_data)
+                                                     arow, stage_scales, cur, t_data, lw)
             else:
                 state, t_data = self.fp8_wide_k_loop(self.k2, True, mma, acc, blks[0], tCrA, tCrB, pipe, state,
-                                                     arow, stage_scales, cur, t_data)
+                                                     arow, stage_scales, cur, t_data, lw)
         else:
             if kind == ts.KIND_L1:
                 state, t_data = self.fp8_k_loop(self.k1, 1, mma, acc, blks, tCrA, tCrB, pipe, state, arow,
-                                                stage_scales, cur, t_data, dq)
+                                                stage_scales, cur, t_data, dq, lw)
             else:
                 state, t_data = self.fp8_k_loop(self.k2, 2, mma, acc, blks, tCrA, tCrB, pipe, state, arow,
-                                                stage_scales, cur, t_data, dq)
+                                                stage_scales, cur, t_data, dq, lw)
         return state, t_data

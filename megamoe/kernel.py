@@ -49,7 +49,8 @@ from quack import copy_utils, layout_utils, sm90_utils
 from cute_kernels import flags as fl
 from cute_kernels import timers
 from megamoe import tile_stream as ts
-from megamoe.epilogue import PHASE_FIELDS, PHASES, REC_FIELDS, REC_STAGING_WAIT, STORE_WARPS, StagedEpilogueMixin
+from megamoe.epilogue import (PHASE_FIELDS, PHASES, REC_FIELDS, REC_LOAD_WAIT, REC_MAINLOOP_CYCLES, REC_STAGING_WAIT,
+                              STORE_WARPS, StagedEpilogueMixin)
 from megamoe.fp8_mainloop import Fp8MainloopMixin
 from megamoe.phases import (NUM_THREADS, SCALE_PAIR, WG_THREADS, DispatchCombineMixin, NamedBarrierMoE,
                             scale_units)
@@ -464,10 +465,10 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
 
     # ---------------------------------------------------------------- phase 3: the MMA warpgroups
     @cute.jit
-    def mainloop(self, mma, acc, tCrA, tCrB, pipe, state, n_kb):
+    def mainloop(self, mma, acc, tCrA, tCrB, pipe, state, n_kb, lw):
         """acc = A B over ``n_kb`` K blocks; one WGMMA group in flight, each stage released once read. Returns
         the state and (instrument) when the first K block had arrived: the MMA side's wait at tile entry."""
-        pipe.consumer_wait(state)
+        self.wait_stage(pipe, state, lw)
         t_data = Int64(0)
         if const_expr(self.instrument):
             t_data = cute.arch.globaltimer()
@@ -476,7 +477,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         prev = state.clone()
         state.advance()
         for _ in cutlass.range(n_kb - 1, unroll=1):
-            pipe.consumer_wait(state)
+            self.wait_stage(pipe, state, lw)
             sm90_utils.gemm_w_idx(mma, acc, tCrA, tCrB, zero_init=False, A_idx=state.index, B_idx=state.index,
                                   wg_wait=1)
             pipe.consumer_release(prev)
@@ -487,12 +488,23 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         return state, t_data
 
     @cute.jit
-    def drain(self, pipe, state, n_kb, dq):
+    def wait_stage(self, pipe, state, lw):
+        """The MMA side's wait for a full stage; instrumented, its clock64 cycles add up in ``lw[0]`` (the tile's
+        time waiting on its loads, recorded as REC_LOAD_WAIT)."""
+        if const_expr(self.instrument):
+            c0 = cute.arch.clock64()
+            pipe.consumer_wait(state)
+            lw[0] = lw[0] + (cute.arch.clock64() - c0)
+        else:
+            pipe.consumer_wait(state)
+
+    @cute.jit
+    def drain(self, pipe, state, n_kb, dq, lw):
         """Release ``n_kb`` stages without reading them, each once it is full (an early release would count
         toward the stage's previous use and let the producer overwrite it under the other warpgroup). W4A8:
         this warpgroup still converts its half of each stage's B block, which the other one reads."""
         for _ in cutlass.range(n_kb, unroll=1):
-            pipe.consumer_wait(state)
+            self.wait_stage(pipe, state, lw)
             if const_expr(self.w4):
                 self.dequant_stage(dq, state.index, NamedBarrierMoE.DequantFull, 2 * WG_THREADS)
             pipe.consumer_release(state)
@@ -553,6 +565,10 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
         t_state = ring.reader_state()
         found, kind, p, n, e, t_state = ring.read(t_state)
         j = Int32(0)  # the tile's place in the CTA's stream
+        lw = None
+        if const_expr(self.instrument):  # the tile's cycles waiting on full stages (wait_stage)
+            # [1]: clock64 at tile entry, then the entry-to-mainloop-end cycles
+            lw = cute.make_rmem_tensor(cute.make_layout(2), Int64)
         while found != 0:
             n_kb = Int32(self.k1)
             if kind == ts.KIND_L2:
@@ -560,6 +576,8 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             m = p - s_row_off[e]
             if const_expr(self.instrument):
                 t_entry = cute.arch.globaltimer()
+                lw[0] = Int64(0)
+                lw[1] = cute.arch.clock64()
             if kind == ts.KIND_L1:  # the router weights, loaded before the mainloop hides their latency
                 for r in cutlass.range_constexpr(cute.size(wts)):
                     wts[r] = pool_w[p * BLOCK_M + rows_c[r, 0][0]]
@@ -567,18 +585,19 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
             if s_ntok[e] - m * BLOCK_M > wg * self.wg_rows:
                 if const_expr(self.fp8):
                     state, t_data = self.mainloop_fp8_tile(mma_fp8, acc, blks, tCrA_fp8, tCrB_fp8, pipe, state,
-                                                           kind, arow, rows_c, stage_scales, dq)
+                                                           kind, arow, rows_c, stage_scales, dq, lw)
                 else:
-                    state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb)
+                    state, t_data = self.mainloop(mma, acc, tCrA, tCrB, pipe, state, n_kb, lw)
             else:
                 # none of this warpgroup's 64 rows is a token (an expert's last tile holds at most 64): it skips
                 # the WGMMAs and their promotions, so the other warpgroup has the Tensor Cores and the issue slots
                 # to itself; that warpgroup's rows get a full tile's arithmetic, so a token's row comes out the
                 # same bits whichever tile the atomic slot order puts it in. W8A8 5-11% faster at 1024 and 8192
                 # tokens, bf16 a tie; two ways to use the idle warpgroup lost (docs/FINDINGS.md, MegaMoE)
-                state = self.drain(pipe, state, n_kb, dq)
+                state = self.drain(pipe, state, n_kb, dq, lw)
             if const_expr(self.instrument):
                 t_mma = cute.arch.globaltimer()
+                lw[1] = cute.arch.clock64() - lw[1]
             waited = Int64(0)
             if kind == ts.KIND_L1:
                 if const_expr(self.fp8):
@@ -599,5 +618,7 @@ class MegaMoEForward(DispatchCombineMixin, StagedEpilogueMixin, Fp8MainloopMixin
                         records[base_r + 4] = t_mma
                         records[base_r + 5] = t_end
                         records[base_r + REC_STAGING_WAIT] = waited
+                        records[base_r + REC_LOAD_WAIT] = lw[0]
+                        records[base_r + REC_MAINLOOP_CYCLES] = lw[1]
             j = j + 1
             found, kind, p, n, e, t_state = ring.read(t_state)

@@ -241,6 +241,49 @@ def test_staged_dump_measures_the_successors_staging_wait(tmp_path):
     assert old["successor"]["meas_wait_is"] == "entry wait" and not old["staged"]
 
 
+def test_load_waits_split_full_from_last_blocks(tmp_path):
+    """A dump with load_wait_cycles reports the mainloops' waits on their loads per kind, in tiles below their
+    expert's last M block and in last blocks; a dump without it says None."""
+    a = synthetic()
+    a["load_wait_cycles"] = np.where(ma.full_tile_mask(a), 1000, 3000 * a["kind"]).astype(np.int64)  # 0.5 / 1.5, 3 us
+    entry = {"shape": "tiny", "tokens_per_rank": 64, "routing": "skewed", "world": 2, "dtype": "bf16",
+             "schedule": "wave", "column": "ours_bf16_wave", "arrays": a}
+    s = ma.entry_summary(entry, CLOCK)["load_wait_us"]
+    assert s["L1 full"]["median"] == pytest.approx(0.5) and s["L1 last"]["median"] == pytest.approx(1.5)
+    assert s["L2 last"]["median"] == pytest.approx(3.0) and s["L2 full"]["median"] == pytest.approx(0.5)
+    path = write_dump(tmp_path, name="lw")
+    with np.load(tmp_path / "lw.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    for key in [k for k in arrays if k.endswith(".t_rs")]:
+        arrays[key[: -len(".t_rs")] + ".load_wait_cycles"] = np.full_like(arrays[key], 2000)
+    np.savez(tmp_path / "lw.npz", **arrays)
+    loaded = ma.entry_summary(ma.load_dump(str(path))[0], CLOCK)["load_wait_us"]
+    assert loaded["L1 last"]["median"] == pytest.approx(1.0)
+    assert ma.entry_summary(ma.load_dump(str(write_dump(tmp_path, name="nolw")))[0], CLOCK)["load_wait_us"] is None
+
+
+def test_mainloop_cycles_give_each_tiles_clock_and_convert_its_load_waits():
+    """With mainloop_cycles the SM clock is measured per tile (cycles over t_mma_end - t_entry) and the load waits
+    are converted at it, not at the assumed clock; a tile at 1.5 GHz and one at 1.0 GHz keep their own."""
+    a = synthetic()
+    span = a["t_mma_end"] - a["t_entry"]
+    slow = a["kind"] == 2  # L2 tiles at 1.0 GHz, L1 tiles at 1.5 GHz
+    a["mainloop_cycles"] = np.where(slow, span, (span * 3) // 2).astype(np.int64)
+    a["load_wait_cycles"] = np.full_like(a["t_rs"], 3000)
+    entry = {"shape": "tiny", "tokens_per_rank": 64, "routing": "skewed", "world": 2, "dtype": "bf16",
+             "schedule": "wave", "column": "ours_bf16_wave", "arrays": a}
+    s = ma.entry_summary(entry, CLOCK)
+    assert s["sm_clock_ghz"]["L1 full"]["median"] == pytest.approx(1.5, rel=1e-3)
+    assert s["sm_clock_ghz"]["L2 last"]["median"] == pytest.approx(1.0, rel=1e-3)
+    assert s["load_wait_us"]["L1 full"]["median"] == pytest.approx(2.0, rel=1e-3)  # 3000 cycles at 1.5 GHz
+    assert s["load_wait_us"]["L2 last"]["median"] == pytest.approx(3.0, rel=1e-3)
+    md = ma.stall_markdown(ma.stall_table([entry], CLOCK))
+    assert "## Mainloops: time, wait on loads, SM clock" in md and "4.00, 2.00, 1.50 / -" in md.split("SM clock")[1]
+    del a["mainloop_cycles"]
+    assert ma.entry_summary(entry, CLOCK)["sm_clock_ghz"] is None
+    assert "## Mainloops" not in ma.stall_markdown(ma.stall_table([entry], CLOCK))
+
+
 def test_phase_spans_from_the_stamps(tmp_path):
     """A dump with per-CTA phase stamps: each phase's median and max over CTAs, and the kernel's span; a dump
     without them reports None."""
