@@ -179,22 +179,22 @@ def main(argv: list[str] | None = None) -> dict:
         raise RuntimeError("the power probe needs a GPU")
     print(f"seed {args.seed}")
     nvml = Nvml(torch.cuda.current_device())
-    group = local_group(args.tmp)
     cases = {}
-    for d in [d for d in args.dense.split(",") if d]:
-        fn, flops = dense_case(d)
-        cases[f"dense_{d}_8192"] = run_case(fn, nvml, seconds=args.seconds, settle_s=args.settle,
-                                            calls_per_graph=8, flops=flops)
-        print(f"dense_{d}_8192", json.dumps(cases[f"dense_{d}_8192"]))
-    for shape in args.shapes.split(","):
-        for tokens in (int(t) for t in args.tokens.split(",")):
-            for d in args.precisions.split(","):
-                name = f"ours_{d}_{args.schedule}_{shape}_{tokens}"
-                fn, flops = ours_case(shape, tokens, d, args.schedule, args.seed, group)
-                cases[name] = run_case(fn, nvml, seconds=args.seconds, settle_s=args.settle, calls_per_graph=2,
-                                       flops=flops)
-                print(name, json.dumps(cases[name]))
-                torch.cuda.empty_cache()
+    with local_group(args.tmp) as group:
+        for d in [d for d in args.dense.split(",") if d]:
+            fn, flops = dense_case(d)
+            cases[f"dense_{d}_8192"] = run_case(fn, nvml, seconds=args.seconds, settle_s=args.settle,
+                                                calls_per_graph=8, flops=flops)
+            print(f"dense_{d}_8192", json.dumps(cases[f"dense_{d}_8192"]))
+        for shape in args.shapes.split(","):
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                for d in args.precisions.split(","):
+                    name = f"ours_{d}_{args.schedule}_{shape}_{tokens}"
+                    fn, flops = ours_case(shape, tokens, d, args.schedule, args.seed, group)
+                    cases[name] = run_case(fn, nvml, seconds=args.seconds, settle_s=args.settle, calls_per_graph=2,
+                                           flops=flops)
+                    print(name, json.dumps(cases[name]))
+                    torch.cuda.empty_cache()
     result = {"provenance": provenance("python -m benchmarks.power_probe " + " ".join(argv or [])),
               "method": f"each case's CUDA graph replayed back to back for {args.seconds} s; NVML power (its running "
                         f"average) and SM clock sampled every 20 ms, the first {args.settle} s not counted; J per "
