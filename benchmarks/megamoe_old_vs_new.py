@@ -13,7 +13,9 @@ Each case builds both layers with the same seeded weights, tokens and routing, c
 each other (``identical_output``: bit for bit, which a change of schedule-free arithmetic keeps; otherwise
 their max difference over max |y|), and times them by CUDA-Graph replay: interleaved rounds in a fresh order
 each round, and adjacent-launch pairs in alternating order (old, new; new, old) whose median difference is the
-verdict, with an old-against-old pair set for the run's noise.
+verdict, with an old-against-old pair set for the run's noise. ``--energy S`` adds each side's joules per call
+(benchmarks.power_probe: S-second sustained replays, old, new, new, old): on a chip at its power limit a change
+pays only if it saves energy.
 """
 from __future__ import annotations
 
@@ -85,6 +87,11 @@ def run(args) -> None:
             raise SystemExit(f"old_megamoe does not import ({e}): put {args.old} on PYTHONPATH") from e
         exported = old_commit(args.old)
     print(f"seed={args.seed}")
+    nvml = None
+    if args.energy:
+        from benchmarks.power_probe import Nvml
+
+        nvml = Nvml(torch.cuda.current_device())
     rows = []
     with process_group(0, 1, os.path.join(args.tmp, "pg")):
         group = dist.group.WORLD
@@ -117,12 +124,26 @@ def run(args) -> None:
 
             diff, same = rel_diff("new"), bool(torch.equal(outs["old"], outs["new"]))
             medians, pairs, noise, extra_pairs = time_old_new(calls, args, group)
+            energy = None
+            if nvml is not None:
+                from benchmarks.power_probe import energy_verdict, run_case
+
+                runs = {"old": [], "new": []}
+                for n in ("old", "new", "new", "old"):
+                    runs[n].append(run_case(calls[n], nvml, seconds=args.energy, settle_s=args.energy * 0.4,
+                                            calls_per_graph=args.calls_per_graph, flops=None))
+                energy = energy_verdict(runs)
+                old_e, new_e = energy["old"], energy["new"]
+                print(f"  energy: old {old_e['joules_per_call']:.3f} J, new {new_e['joules_per_call']:.3f} J a call "
+                      f"(new / old {energy['new_over_old_joules']:.3f}; {old_e['watts']:.0f} / {new_e['watts']:.0f} W, "
+                      f"{old_e['sm_mhz']:.0f} / {new_e['sm_mhz']:.0f} MHz)", flush=True)
             extra = {n: {"us": medians[n], "minus_old_us": extra_pairs[n], "settings": args.settings.get(n, {}),
                          "identical_output": bool(torch.equal(outs["old"], outs[n])), "max_rel_diff": rel_diff(n)}
                      for n in args.extra_sides}
             rows.append({**case, "seed": seed, "old_us": medians["old"], "new_us": medians["new"],
                          "new_minus_old_us": pairs, "old_minus_old_us": noise, "identical_output": same,
-                         "max_rel_diff": diff, **({"extra_sides": extra} if extra else {})})
+                         "max_rel_diff": diff, **({"extra_sides": extra} if extra else {}),
+                         **({"energy": energy} if energy else {})})
             for n, e in extra.items():
                 print(f"  {n} {e['settings']}: {e['us']:.0f} µs; {n}-old by pairs {e['minus_old_us']['median_us']:+.1f} "
                       f"[{e['minus_old_us']['q1_us']:+.1f}, {e['minus_old_us']['q3_us']:+.1f}]; same bits: "
@@ -143,7 +164,9 @@ def write_result(args, exported: str, rows: list) -> None:
               "rows": rows,
               "method": f"world size 1; {args.replays} interleaved rounds of {args.calls_per_graph}-call graphs; "
                         f"{args.pairs} alternating adjacent pairs of one-call graph replays (new - old, and old - "
-                        "old as noise); outputs copied out of the layer inside each call, in both columns"}
+                        "old as noise); outputs copied out of the layer inside each call, in both columns" +
+                        (f"; energy: {args.energy} s sustained replays of old and new (old, new, new, old), NVML "
+                         "power and SM clock (benchmarks.power_probe)" if args.energy else "")}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 
@@ -158,7 +181,11 @@ def main(argv=None) -> int:
                    help="set an integer attribute of one side's layers after load_weights, e.g. new.m_group=2; a side "
                         "new2, new3, ... is one more layer of this tree")
     add_timing_arguments(p, calls_per_graph=2, pairs=24)
+    p.add_argument("--energy", type=float, default=0.0, metavar="S",
+                   help="also each side's joules per call: sustained S-second replays, old, new, new, old (NVML)")
     args = p.parse_args(argv)
+    if args.energy and args.energy < 2:
+        p.error(f"--energy {args.energy}: at least 2 s a run (NVML's power is a running average)")
     args.settings = {}
     for spec in args.set:
         side, _, rest = spec.partition(".")

@@ -73,6 +73,22 @@ def summarize(samples: list[tuple[float, float, float]], seconds: float, calls: 
             "tflops": flops / us / 1e6 if flops else None}
 
 
+def energy_verdict(runs: dict) -> dict:
+    """Old against new in joules: ``runs`` {"old": [summaries], "new": [...]} from alternating sustained runs
+    (old, new, new, old, ...); each side's mean J, W, us per call and median MHz, and new / old of the joules and
+    of the time per call. On a chip at its power limit the two ratios move together."""
+    import statistics
+
+    if not runs.get("old") or not runs.get("new"):
+        raise ValueError("energy_verdict needs at least one run of each side")
+    side = {n: {"joules_per_call": statistics.fmean(r["joules_per_call"] for r in rs),
+                "watts": statistics.fmean(r["watts"] for r in rs),
+                "us_per_call": statistics.fmean(r["us_per_call"] for r in rs),
+                "sm_mhz": statistics.median(r["sm_mhz"] for r in rs), "runs": len(rs)} for n, rs in runs.items()}
+    return {**side, "new_over_old_joules": side["new"]["joules_per_call"] / side["old"]["joules_per_call"],
+            "new_over_old_us": side["new"]["us_per_call"] / side["old"]["us_per_call"]}
+
+
 def run_case(fn, nvml: Nvml, *, seconds: float, settle_s: float, calls_per_graph: int, flops: float | None) -> dict:
     """``fn`` captured in a graph of ``calls_per_graph`` calls, replayed back to back for ``seconds`` while a
     thread samples NVML every 20 ms; the run's time from CUDA events (the replays queue ahead of the GPU, so a
