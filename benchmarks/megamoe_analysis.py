@@ -311,6 +311,22 @@ def _f(x, nd=2) -> str:
     return "-" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.{nd}f}"
 
 
+ROW_KEY_HEADER = "| shape | precision | tok/rank | routing | P | "
+
+
+def _row_key(r: dict) -> list[str]:
+    """A table row's first five cells (ROW_KEY_HEADER's columns)."""
+    return [r["shape"], str(r["precision"]), str(r["tokens_per_rank"]), r["routing"], str(r["world"])]
+
+
+def _per_order(r: dict, text, needs: str | None = None) -> str:
+    """Row ``r``'s cell as wave / interleaved: ``text(entry)`` for each order, "-" where the order, or its field
+    ``needs``, is missing."""
+    by = r["schedules"]
+    return " / ".join(text(by[k]) if k in by and (needs is None or by[k].get(needs)) else "-"
+                      for k in ("wave", "interleaved"))
+
+
 def stall_markdown(table: dict, title: str = "") -> str:
     """Table 2-style markdown: one line per row, each cell wave / interleaved (us)."""
     cols = ["shape", "precision", "tok/rank", "routing", "P", "L2 tiles w/i", "T_RS med", "T_RS p90", "int/wave", "T_mma L1 full",
@@ -323,8 +339,7 @@ def stall_markdown(table: dict, title: str = "") -> str:
            "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
     def pair(r, get, nd=2):
-        by = r["schedules"]
-        return " / ".join(_f(get(by[s]), nd) if s in by else "-" for s in ("wave", "interleaved"))
+        return _per_order(r, lambda e: _f(get(e), nd))
 
     for r in table["rows"]:
         out.append("| " + " | ".join([
@@ -356,17 +371,12 @@ def stall_markdown(table: dict, title: str = "") -> str:
         names = [n for n, _, _ in PHASE_SPANS]
         out += ["## Phases", "", "Median over CTAs (µs), wave / interleaved; the kernel's span from the first CTA's "
                 "start to the last one's sums.", "",
-                "| shape | precision | tok/rank | routing | P | " + " | ".join(names) + " | kernel |",
-                "|" + "---|" * (6 + len(names))]
+                ROW_KEY_HEADER + " | ".join(names) + " | kernel |", "|" + "---|" * (6 + len(names))]
         for r in table["rows"]:
-            by = r["schedules"]
-
-            def cell(get):
-                return " / ".join(_f(get(by[k]["phases_us"]), 1) if k in by and by[k].get("phases_us") else "-"
-                                  for k in ("wave", "interleaved"))
+            def cell(get, r=r):
+                return _per_order(r, lambda e: _f(get(e["phases_us"]), 1), "phases_us")
             spans = [cell(lambda p, n=n: p[n]["median_us"] if n in p else None) for n in names]
-            out.append("| " + " | ".join([r["shape"], str(r["precision"]), str(r["tokens_per_rank"]), r["routing"],
-                                          str(r["world"])] + spans + [cell(lambda p: p["kernel_us"])]) + " |")
+            out.append("| " + " | ".join(_row_key(r) + spans + [cell(lambda p: p["kernel_us"])]) + " |")
         out.append("")
     if any(s.get("sm_clock_ghz") for s in every):
         parts = ("L1 full", "L1 last", "L2 full", "L2 last")
@@ -374,25 +384,15 @@ def stall_markdown(table: dict, title: str = "") -> str:
                 "Median per tile kind (µs, µs, GHz), wave / interleaved; full: below the expert's last M block, "
                 "last: its last block. Cycles = µs x GHz: a mainloop bound by its own work keeps its cycles when "
                 "the clock moves.", "",
-                "| shape | precision | tok/rank | routing | P | " + " | ".join(parts) + " |",
-                "|" + "---|" * (5 + len(parts))]
-        for r in table["rows"]:
-            by = r["schedules"]
+                ROW_KEY_HEADER + " | ".join(parts) + " |", "|" + "---|" * (5 + len(parts))]
 
-            def kind_cell(part):
-                kind, which = part.split()
-                cells = []
-                for k in ("wave", "interleaved"):
-                    e = by.get(k)
-                    if not e or not e.get("sm_clock_ghz"):
-                        cells.append("-")
-                        continue
-                    ml = e["mainloop_full_us" if which == "full" else "mainloop_last_us"][kind]["median"]
-                    cells.append(", ".join(_f(v, d) for v, d in ((ml, 2), (e["load_wait_us"][part]["median"], 2),
-                                                                 (e["sm_clock_ghz"][part]["median"], 2))))
-                return " / ".join(cells)
-            out.append("| " + " | ".join([r["shape"], str(r["precision"]), str(r["tokens_per_rank"]), r["routing"],
-                                          str(r["world"])] + [kind_cell(p) for p in parts]) + " |")
+        def kind_text(e, part):  # one order's mainloop us, load wait us, SM GHz for one tile kind
+            kind, which = part.split()
+            ml = e["mainloop_full_us" if which == "full" else "mainloop_last_us"][kind]["median"]
+            return ", ".join(_f(v) for v in (ml, e["load_wait_us"][part]["median"], e["sm_clock_ghz"][part]["median"]))
+        for r in table["rows"]:
+            cells = [_per_order(r, lambda e, p=p: kind_text(e, p), "sm_clock_ghz") for p in parts]
+            out.append("| " + " | ".join(_row_key(r) + cells) + " |")
         out.append("")
     out += ["## Definitions", "", "```", table["definitions"], "```", ""]
     return "\n".join(out)
