@@ -178,6 +178,22 @@ def fp8_grouped_unavailable(device: str = "cuda") -> str | None:
 
 # --- ceilings and the roofline --------------------------------------------------------------------------------
 
+def dense_products(n: int, gen) -> dict:
+    """The n^3 products the ceilings are measured on, as calls on random operands drawn from ``gen``: "bf16"
+    (``torch.mm``), "fp8_fast_accum" and "fp8" (``torch._scaled_mm``, e4m3, tensor scales)."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", generator=gen).to(torch.bfloat16)
+    c = torch.empty_like(a)
+    a8 = a.to(torch.float8_e4m3fn)
+    b8 = b.to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm's mat2 must be
+    one = torch.ones((), device="cuda")
+    return {"bf16": lambda: torch.mm(a, b, out=c),
+            "fp8_fast_accum": lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16, use_fast_accum=True),
+            "fp8": lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)}
+
+
 def measure_ceilings(group=None, *, n: int = 8192, copy_bytes: int = 1 << 31, replays: int = 10,
                      calls: int = 4) -> dict:
     """Dense n^3 bf16 (``torch.mm``) and FP8 (``torch._scaled_mm``, tensor scales, with and without fast
@@ -192,20 +208,12 @@ def measure_ceilings(group=None, *, n: int = 8192, copy_bytes: int = 1 << 31, re
 
     group = group if group is not None else dist.group.WORLD
     gen = torch.Generator(device="cuda").manual_seed(0)
-    a = torch.randn(n, n, device="cuda", generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", generator=gen).to(torch.bfloat16)
-    c = torch.empty_like(a)
-    a8 = a.to(torch.float8_e4m3fn)
-    b8 = b.to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm's mat2 must be
-    one = torch.ones((), device="cuda")
+    fns = dense_products(n, gen)
     src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_(generator=gen)
     dst = torch.empty_like(src)
-    fns = {"bf16": lambda: torch.mm(a, b, out=c),
-           "fp8_fast_accum": lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16, use_fast_accum=True),
-           "fp8": lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
-           # Both copies: in a graph, copy_ becomes a memcpy node that the copy engines run (2.7 TB/s on one
-           # H200), while an elementwise kernel streams through the SMs as the MoE kernels do (4.3 TB/s).
-           "copy": lambda: dst.copy_(src), "stream": lambda: torch.neg(src, out=dst)}
+    # Both copies: in a graph, copy_ becomes a memcpy node that the copy engines run (2.7 TB/s on one H200),
+    # while an elementwise kernel streams through the SMs as the MoE kernels do (4.3 TB/s).
+    fns.update({"copy": lambda: dst.copy_(src), "stream": lambda: torch.neg(src, out=dst)})
     columns = {name: (fn, capture_graph(fn, calls, group)[0]) for name, fn in fns.items()}
     us, _ = measure_rounds(columns, calls, replays, group)
     flops = 2.0 * n ** 3

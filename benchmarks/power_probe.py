@@ -158,17 +158,14 @@ def ours_case(shape: str, tokens: int, precision: str, schedule: str, seed: int,
 
 
 def dense_case(kind: str, n: int = 8192):
-    """(fn, flops): the n^3 product the roofline's ceiling is measured on (benchmarks.moe_baselines)."""
+    """(fn, flops): the n^3 product the roofline's ceiling is measured on (benchmarks.moe_baselines.dense_products;
+    FP8 with fast accumulation)."""
     import torch
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    a = torch.randn(n, n, device="cuda", generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", generator=gen).to(torch.bfloat16)
-    if kind == "bf16":
-        c = torch.empty_like(a)
-        return (lambda: torch.mm(a, b, out=c)), 2.0 * n ** 3
-    a8, b8, one = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t(), torch.ones((), device="cuda")
-    return (lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16, use_fast_accum=True)), 2.0 * n ** 3
+    from benchmarks.moe_baselines import dense_products
+
+    fns = dense_products(n, torch.Generator(device="cuda").manual_seed(0))
+    return fns["bf16" if kind == "bf16" else "fp8_fast_accum"], 2.0 * n ** 3
 
 
 def main(argv: list[str] | None = None) -> dict:
