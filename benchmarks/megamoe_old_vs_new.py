@@ -108,6 +108,8 @@ def run(args) -> None:
                         raise SystemExit(f"--set {name}.{attr}: the {name} layer has no attribute {attr!r}")
                     setattr(layers[name], attr, value)
             del w1, w2
+            if args.stale_rows:
+                fill_stale_rows(layers.values(), seed)
             outs = {n: torch.empty_like(x) for n in layers}
 
             def call(n):
@@ -157,6 +159,18 @@ def run(args) -> None:
             write_result(args, exported, rows)  # after every case: a call cut short keeps the cases it finished
 
 
+def fill_stale_rows(layers, seed: int) -> None:
+    """Every layer's pool and intermediate rows filled with seeded random values (bf16 or e4m3 as stored): what
+    earlier launches with other routings leave in the rows past an expert's tokens when serving. A fresh arena
+    holds zeros there, which the Tensor Cores multiply for less energy than data (docs/FINDINGS.md, MegaMoE)."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    for layer in layers:
+        for t in (layer.state.pool, layer.state.inter):
+            t.copy_(torch.randn(t.shape, generator=gen, device=t.device).to(t.dtype))
+
+
 def write_result(args, exported: str, rows: list) -> None:
     from cute_kernels.runtime import provenance
 
@@ -166,7 +180,9 @@ def write_result(args, exported: str, rows: list) -> None:
                         f"{args.pairs} alternating adjacent pairs of one-call graph replays (new - old, and old - "
                         "old as noise); outputs copied out of the layer inside each call, in both columns" +
                         (f"; energy: {args.energy} s sustained replays of old and new (old, new, new, old), NVML "
-                         "power and SM clock (benchmarks.power_probe)" if args.energy else "")}
+                         "power and SM clock (benchmarks.power_probe)" if args.energy else "") +
+                        ("; both sides' pool and intermediate filled with random values before the first call "
+                         "(--stale-rows)" if args.stale_rows else "")}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 
@@ -183,6 +199,8 @@ def main(argv=None) -> int:
     add_timing_arguments(p, calls_per_graph=2, pairs=24)
     p.add_argument("--energy", type=float, default=0.0, metavar="S",
                    help="also each side's joules per call: sustained S-second replays, old, new, new, old (NVML)")
+    p.add_argument("--stale-rows", action="store_true",
+                   help="fill both sides' pool and intermediate with random values first (serving's stale rows)")
     args = p.parse_args(argv)
     if args.energy and args.energy < 2:
         p.error(f"--energy {args.energy}: at least 2 s a run (NVML's power is a running average)")

@@ -29,22 +29,40 @@ PACKAGES = ("flash_a2a", "megamoe", "cute_kernels")  # every kernel package (ben
 DEFAULT_SHAPES = ("1x8192x3", "1x16384x12", "1x32768x12", "1x16384x3", "1x8192x12", "1x8192x3x64")
 
 
-def prepare(commit: str, into: str = OLD_DIR) -> str:
-    """Export ``commit``'s packages under ``into`` with every import of them renamed ``old_*``."""
+WORKTREE = "WORKTREE"  # --prepare WORKTREE: this working tree's files (a device copy has no git)
+
+
+def _sources(commit: str):
+    """(path, text) of every .py file of PACKAGES at ``commit``, or in the working tree for WORKTREE."""
+    if commit == WORKTREE:
+        for pkg in PACKAGES:
+            for root, _, files in sorted(os.walk(pkg)):
+                for name in sorted(files):
+                    if name.endswith(".py"):
+                        with open(os.path.join(root, name)) as f:
+                            yield os.path.join(root, name), f.read()
+        return
     blob = subprocess.run(["git", "archive", "--format=tar", commit, *PACKAGES], check=True,
                           capture_output=True).stdout
-    pattern = re.compile(r"\b(" + "|".join(PACKAGES) + r")\b")
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         for member in tar.getmembers():
-            if not member.isfile() or not member.name.endswith(".py"):
-                continue
-            text = tar.extractfile(member).read().decode()
-            path = os.path.join(into, "old_" + member.name)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as f:
-                # the old copy's custom ops under their own namespace (one name cannot be defined twice)
-                text = text.replace('"xstage::', '"xstage_old::').replace("torch.ops.xstage.", "torch.ops.xstage_old.")
-                f.write(pattern.sub(lambda m: "old_" + m.group(1), text))
+            if member.isfile() and member.name.endswith(".py"):
+                yield member.name, tar.extractfile(member).read().decode()
+
+
+def prepare(commit: str, into: str = OLD_DIR) -> str:
+    """Export ``commit``'s packages (WORKTREE: the working tree's) under ``into`` with every import of them
+    renamed ``old_*``."""
+    pattern = re.compile(r"\b(" + "|".join(PACKAGES) + r")\b")
+    for name, text in _sources(commit):
+        path = os.path.join(into, "old_" + name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            # the old copy's custom ops under their own namespace (one name cannot be defined twice)
+            text = text.replace('"xstage::', '"xstage_old::').replace("torch.ops.xstage.", "torch.ops.xstage_old.")
+            f.write(pattern.sub(lambda m: "old_" + m.group(1), text))
+    if commit == WORKTREE:
+        commit = os.environ.get("XSTAGE_GIT_COMMIT", WORKTREE)
     with open(os.path.join(into, "COMMIT"), "w") as f:
         f.write(commit + "\n")
     return into
@@ -143,7 +161,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.old_vs_new", description=__doc__.split("\n")[0])
-    p.add_argument("--prepare", metavar="COMMIT", help="export COMMIT's kernels into --old (needs git; no GPU)")
+    p.add_argument("--prepare", metavar="COMMIT", help="export COMMIT's kernels into --old (needs git; no GPU); "
+                   "WORKTREE: the working tree's (on a device copy, before a patch is applied to another copy)")
     p.add_argument("--out", help="result JSON (the GPU run)")
     p.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(x) for x in DEFAULT_SHAPES],
                    help="BxSxH[xD] shapes (default: split and unsplit FA-only shapes)")

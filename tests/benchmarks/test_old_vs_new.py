@@ -29,6 +29,25 @@ def test_prepare_renames_every_import(tmp_path):
     assert out.returncode == 0 and out.stdout.split() == ["old_flash_a2a.mapping", "old_cute_kernels.flags"], out
 
 
+def test_prepare_worktree_exports_the_working_tree_files(tmp_path, monkeypatch):
+    """--prepare WORKTREE (a device copy has no git): the packages' files as they stand, renamed the same way."""
+    import benchmarks.old_vs_new as ovn
+
+    root = tmp_path / "tree"
+    for pkg in PACKAGES:
+        (root / pkg).mkdir(parents=True)
+        (root / pkg / "__init__.py").write_text(f"from {PACKAGES[0]} import x  # {pkg}\n")
+    (root / PACKAGES[1] / "notes.txt").write_text("not python")
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("XSTAGE_GIT_COMMIT", "abc1234+patch")
+    into = tmp_path / "old"
+    ovn.prepare(ovn.WORKTREE, str(into))
+    files = sorted(p.relative_to(into).as_posix() for p in into.rglob("*") if p.is_file())
+    assert files == ["COMMIT"] + sorted(f"old_{p}/__init__.py" for p in PACKAGES)
+    assert (into / f"old_{PACKAGES[1]}" / "__init__.py").read_text() == f"from old_{PACKAGES[0]} import x  # old_{PACKAGES[1]}\n"
+    assert (into / "COMMIT").read_text() == "abc1234+patch\n"
+
+
 def test_old_and_new_megamoe_ops_register_side_by_side(tmp_path):
     """Both versions' custom ops load in one process: the old copy's as ``xstage_old.old_megamoe``."""
     if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True).returncode != 0:
