@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from benchmarks.megamoe_old_vs_new import case_inputs, parse_case
+from benchmarks.megamoe_old_vs_new import case_inputs, fill_stale_rows, parse_case
 from benchmarks.moe_baselines import moe_flops
 from benchmarks.power_probe import Nvml, run_case
 from megamoe.api import MegaMoE as NewMoE
@@ -25,13 +25,13 @@ nvml = Nvml(torch.cuda.current_device())
 res = {"seed": SEED, "seconds": secs, "cases": {}}
 
 
-def fill(st, mode, gen):
-    for name in ("pool", "inter"):
-        t = getattr(st, name)
-        if mode == "zero":
-            t.zero_()
-        else:
-            t.copy_(torch.randn(t.shape, generator=gen, device=t.device).to(t.dtype))
+def fill(layer, mode, seed):
+    """'zero': the pool and intermediate all zeros (a fresh arena); 'data': megamoe_old_vs_new's stale rows."""
+    if mode == "data":
+        fill_stale_rows([layer], seed)
+        return
+    for t in (layer.state.pool, layer.state.inter):
+        t.zero_()
 
 
 for spec in specs:
@@ -44,12 +44,11 @@ for spec in specs:
                            schedule=case["schedule"], max_tokens_per_rank=case["tokens"])
         layers[name].load_weights(w1, w2)
     del w1, w2
-    gen = torch.Generator(device="cuda").manual_seed(1)
     runs, ys = {}, {}
     for side, mode in (("old", "zero"), ("old", "data"), ("new", "data"), ("new", "data"), ("old", "data"),
                        ("old", "zero")):
         layer = layers[side]
-        fill(layer.state, mode, gen)
+        fill(layer, mode, seed)
         f = (lambda lay: lambda: lay.forward(x, idx, wts))(layer)
         y = f().clone()
         torch.cuda.synchronize()
