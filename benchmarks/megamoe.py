@@ -19,8 +19,10 @@ is missing, unsupported or left out by --columns is recorded as {"skipped": reas
 {"failed": reason}: none is silently absent.
 Per timed column: µs per call, effective TFLOP/s (2 rows (2IH + IH) / t), roofline efficiency (roofline / t,
 the dtype's roofline: benchmarks.moe_baselines.roofline_terms) and, for ours, the speedup over the unfused
-path of the same dtype; the error against megamoe.reference (fp32, h rounded to bf16 for bf16 columns, the
-same FP8 quantization for ours_fp8; unfused_fp8's row-wise recipe against the unquantized reference).
+path of the same dtype, and the Tensor Cores' rate (mma_tflops: the FLOPs of the row's ``mma_rows``, the routed
+rows with the padding of each expert's last 64-row half, megamoe.schedule.mma_rows); the error against
+megamoe.reference (fp32, h rounded to bf16 for bf16 columns, the same FP8 quantization for ours_fp8;
+unfused_fp8's row-wise recipe against the unquantized reference).
 --dump FILE: one instrumented launch per ours column and row (MegaMoE(..., instrument=True).last_dump()),
 the arrays in FILE.npz and what they are in FILE.json.
 --matrix: the configuration matrix instead (benchmarks/megamoe_matrix.py: the seven PRESETS x precision x
@@ -331,10 +333,24 @@ def column_dtype(name: str) -> str:
     return "w4a8" if "w4a8" in name else "fp8" if "fp8" in name else "bf16"
 
 
-def derive(row: dict) -> None:
+def routed_mma_rows(idx, num_experts: int) -> int:
+    """The rows the kernel's Tensor Cores multiply for routing ``idx`` (all ranks'): megamoe.schedule.mma_rows."""
+    from megamoe.reference import expert_counts
+    from megamoe.schedule import mma_rows
+
+    return mma_rows(expert_counts(idx, num_experts).tolist())
+
+
+def derive(row: dict, preset) -> None:
     """Speedups over the unfused path of the same dtype (at real ranks the NCCL one, unfused_nccl_<dtype>;
-    row["baseline"] names it), and interleaved / wave time per dtype."""
+    row["baseline"] names it), interleaved / wave time per dtype, and each of our columns' mma_tflops (the
+    FLOPs of row["mma_rows"], padding rows included, per second)."""
+    from benchmarks.moe_baselines import moe_flops
+
     cols = row["columns"]
+    for name, c in cols.items():
+        if name.startswith("ours_") and "us" in c:
+            c["mma_tflops"] = moe_flops(preset, row["mma_rows"]) / c["us"] / 1e6
     row["baseline"] = {}
     for d in DTYPES:
         u = "fp8" if d == "w4a8" else d
@@ -472,6 +488,7 @@ def measure_row(ctx, preset: Preset, world: int, tokens: int, routing: str, weig
            "num_experts": preset.num_experts, "top_k": preset.top_k, "world": world,
            "ranks": "one GPU" if world == 1 else "emulated", "tokens_per_rank": tokens,
            "tokens": total, "routing": routing, "seed": seed, **stats, "flops": roof["bf16"]["flops"],
+           "mma_rows": routed_mma_rows(idx, preset.num_experts),
            "roofline": roof, "columns": {}, "interleaved_over_wave": {}}
     refs = {}
 
@@ -492,7 +509,7 @@ def measure_row(ctx, preset: Preset, world: int, tokens: int, routing: str, weig
         elif "timing" in c:
             c["dtype"] = column_dtype(name)
     row["round_times_us"] = {n: [round(t, 3) for t in ts] for n, ts in times.items()}
-    derive(row)
+    derive(row, preset)
     if probes is not None:
         dump_row(ctx, row, index, probes, (x, idx, wts))
     return row

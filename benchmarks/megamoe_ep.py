@@ -220,7 +220,8 @@ def measure_row(ctx, preset, tokens: int, routing: str, weights, nccl: dict, our
     row = {"shape": preset.name, "hidden": preset.hidden, "intermediate": preset.intermediate,
            "num_experts": preset.num_experts, "top_k": preset.top_k, "world": world, "ranks": "real",
            "tokens_per_rank": tokens, "tokens": total, "routing": routing, "seed": seed, **stats, **ep,
-           "flops": moe_flops(preset, stats["rows"]), "roofline": roof, "columns": {}, "interleaved_over_wave": {}}
+           "flops": moe_flops(preset, stats["rows"]), "mma_rows": mb.routed_mma_rows(idx_all, preset.num_experts),
+           "roofline": roof, "columns": {}, "interleaved_over_wave": {}}
     del idx_all, wts_all
     plans = {d: m.plan(idx) for d, m in nccl.items() if not isinstance(m, str)}  # untimed, collective
     built = [m for m in nccl.values() if not isinstance(m, str)]
@@ -249,7 +250,7 @@ def measure_row(ctx, preset, tokens: int, routing: str, weights, nccl: dict, our
         elif "timing" in c:
             c["dtype"] = mb.column_dtype(name)
     row["round_times_us"] = {n: [round(t, 3) for t in ts] for n, ts in times.items()}
-    mb.derive(row)
+    mb.derive(row, preset)
     if probes is not None:
         mb.dump_row(ctx, row, index, probes, (x, idx, wts))
     return row

@@ -211,6 +211,11 @@ class RankWork:
         turn = (index - t % group_rows) // stride
         return first + (t + turn) % group_rows, t // group_rows, first, first + group_rows - 1
 
+    @property
+    def mma_rows(self) -> int:
+        """The rows the MMA warpgroups multiply: :func:`mma_rows` of this rank's experts."""
+        return mma_rows(self.tokens_per_expert, self.shape.block_m)
+
     def row_tiles(self, kind: str, p: int) -> list[Tile]:
         e, m = self.rows[p]
         return [Tile(kind, e, m, n) for n in range(self.shape.n_blocks(kind))]
@@ -223,6 +228,22 @@ class RankWork:
     @property
     def num_tiles(self) -> int:
         return self.num_rows * (self.shape.l1_n_blocks + self.shape.l2_n_blocks)
+
+
+def mma_rows(tokens_per_expert, block_m: int = BLOCK_M) -> int:
+    """The token rows the kernel's Tensor Cores multiply for experts with these routed rows: each full M block's
+    ``block_m``, and an expert's last, partial M block in halves of ``block_m // 2`` (one per MMA warpgroup; a
+    warpgroup whose half holds no token issues no WGMMA, ``megamoe.kernel``). The rows past an expert's tokens
+    in its last half are padding: multiplied, then thrown away. Routed rows / this is the share of the
+    Tensor Cores' work the layer keeps (benchmarks.megamoe_padding)."""
+    half = block_m // 2
+    total = 0
+    for e, n in enumerate(tokens_per_expert):
+        n = operator.index(n)
+        if n < 0:
+            raise ScheduleError(f"tokens_per_expert[{e}] must be >= 0, got {n}")
+        total += -(-n // half) * half
+    return total
 
 
 @dataclass(frozen=True)

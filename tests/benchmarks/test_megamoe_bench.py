@@ -217,6 +217,9 @@ def test_whole_run_schema(tmp_path):
         if r["routing"] == "one_expert":
             assert r["experts_touched"] == 2 and r["max_rows_per_expert"] == r["tokens"]
         assert set(r["roofline"]) == {"bf16", "fp8", "w4a8"} and r["flops"] == r["roofline"]["fp8"]["flops"]
+        if r["routing"] == "one_expert":  # two experts of tokens rows each, in 64-row halves
+            assert r["mma_rows"] == 2 * 64 * -(-r["tokens"] // 64)
+        assert r["rows"] <= r["mma_rows"] < r["rows"] + 64 * r["experts_touched"]
         assert list(r["columns"]) == list(bench.COLUMNS), "every column is recorded"
         for name in ("unfused_bf16", "ours_bf16_wave", "ours_bf16_interleaved"):
             c = r["columns"][name]
@@ -224,6 +227,10 @@ def test_whole_run_schema(tmp_path):
             assert c["us"] == 100.0 + 10 * bench.COLUMNS.index(name)
             assert c["tflops"] == pytest.approx(r["flops"] / c["us"] / 1e6)
             assert c["roofline_efficiency"] == pytest.approx(r["roofline"]["bf16"]["seconds"] * 1e6 / c["us"])
+            if name.startswith("ours_"):
+                assert c["mma_tflops"] == pytest.approx(c["tflops"] * r["mma_rows"] / r["rows"])
+            else:
+                assert "mma_tflops" not in c, "the padding rows are the kernel's, not the unfused path's"
             assert c["error"]["finite"] and c["error"]["max_rel"] < 2e-2, (name, c["error"])
         assert r["columns"]["ours_bf16_wave"]["speedup_vs_unfused"] == pytest.approx(100.0 / 120.0)
         assert r["interleaved_over_wave"] == {"bf16": pytest.approx(130.0 / 120.0), "fp8": None, "w4a8": None}

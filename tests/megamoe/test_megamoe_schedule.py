@@ -9,7 +9,8 @@ import pytest
 from calibrate.profile import load_builtin
 from megamoe.schedule import (L1, L2, MoEShape, RankWork, Schedule, ScheduleError, Tile, check_schedule, check_tiles,
                               d_knee, d_knee_from_profile, expert_wave_order, expert_wave_size, expert_waves,
-                              interleaved_order, interleaved_scheduler, wave_order_ring_slots_needed, wave_rows)
+                              interleaved_order, interleaved_scheduler, mma_rows, wave_order_ring_slots_needed,
+                              wave_rows)
 from megamoe.simulate import rank_work, routed_tokens_per_expert
 
 SHAPE = MoEShape(512, 256)  # L1: 4 N blocks, L2: 4 N blocks
@@ -54,6 +55,18 @@ def test_row_layout_and_partial_blocks():
     assert [work.valid_m(e, m) for e, m in work.rows] == [128, 128, 44, 128, 1, 1, 128]
     assert work.num_tiles == 7 * (4 + 4) == len(work.tiles()) == len(set(work.tiles()))
     assert work.shape.l1_k_blocks == 4 and work.shape.l2_k_blocks == 2 and work.shape.l2_tile_bytes == 32768
+
+
+def test_mma_rows_are_the_warpgroup_halves_the_kernel_runs(seed):
+    # megamoe.kernel: warpgroup w of M block m multiplies its 64 rows iff n_e - 128 m > 64 w
+    assert [mma_rows((n,)) for n in (0, 1, 64, 65, 127, 128, 129, 192, 193, 256)] == [
+        0, 64, 64, 128, 128, 128, 192, 192, 256, 256]
+    for name, work in edge_works(seed).items():
+        by_halves = sum(64 * sum(work.valid_m(e, m) > 64 * w for w in (0, 1)) for e, m in work.rows)
+        assert work.mma_rows == by_halves == mma_rows(work.tokens_per_expert), name
+        assert sum(work.tokens_per_expert) <= work.mma_rows < sum(work.tokens_per_expert) + 64 * work.num_experts
+    with pytest.raises(ScheduleError, match=r"tokens_per_expert\[1\] must be >= 0"):
+        mma_rows((3, -1))
 
 
 @pytest.mark.parametrize("num_ctas", [2, 6, 16])
