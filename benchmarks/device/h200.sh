@@ -13,7 +13,9 @@
 #   variants NAME   FA-only beside the set in benchmarks/variants/NAME.json (or a path to one)
 #   compare         an older commit's FA-only beside this tree's, one process (python -m benchmarks.old_vs_new;
 #                   prepare .oldtree here with --prepare COMMIT and carry it); COMPARE_WHAT=moe: its MegaMoE
-#                   instead (python -m benchmarks.megamoe_old_vs_new, W8A8 and bf16 at 8192 tokens, world 1)
+#                   instead (python -m benchmarks.megamoe_old_vs_new, W8A8 and bf16 at 8192 tokens, world 1);
+#                   COMPARE_PATCH=NAME: this tree's MegaMoE (old, exported here) against a copy of it with
+#                   docs/experiments/NAME.patch applied (new), whose MegaMoE GPU tests run first
 #   moe             xstage bench megamoe, every column (bf16 and W8A8, both orders, the unfused paths), then
 #                   schedule="auto"'s regret on it (python -m benchmarks.megamoe_auto)
 #   moedump         the matrix with --dump at emulated P = 2, 8192 tokens (dsv4-flash, qwen3-moe, dit-moe; bf16
@@ -63,7 +65,8 @@ stage_variants() {  # a set's FA-only columns (its fused ones need a peer): 8 ro
 }
 
 stage_compare() {  # old against new by adjacent pairs, with an old-against-old noise column
-  needs 1 420
+  needs 1 "$([ -n "${COMPARE_PATCH:-}" ] && echo 540 || echo 420)"
+  [ -z "${COMPARE_PATCH:-}" ] || { compare_patch; return; }
   [ -n "$DRY_RUN" ] || [ -f .oldtree/COMMIT ] || skip "no .oldtree (python -m benchmarks.old_vs_new --prepare COMMIT, then carry .oldtree)"
   if [ "${COMPARE_WHAT:-fa}" = moe ]; then
     logged env PYTHONPATH="$PYTHONPATH:$REPO/.oldtree" python3 -m benchmarks.megamoe_old_vs_new \
@@ -72,6 +75,20 @@ stage_compare() {  # old against new by adjacent pairs, with an old-against-old 
     logged env PYTHONPATH="$PYTHONPATH:$REPO/.oldtree" python3 -m benchmarks.old_vs_new --out "$W/old_vs_new.json" \
       "${ARGS[@]}"
   fi
+}
+compare_patch() {  # no git, no carried tree: old is exported from this tree, new is a patched copy of it
+  local patch=$REPO/docs/experiments/$COMPARE_PATCH.patch old=/tmp/xstage-old new=/tmp/xstage-new t=$T
+  [ -f "$patch" ] || skip "no $patch"
+  T=60
+  logged python3 -m benchmarks.old_vs_new --prepare WORKTREE --old "$old"
+  logged bash -c 'rm -rf "$0" && mkdir "$0" && tar -C "$1" --exclude=./.devbundle --exclude=./.venv --exclude=./.git \
+    --exclude=./.oldtree -cf - . | tar -C "$0" -xf - && patch -d "$0" -p1 -s < "$2"' "$new" "$REPO" "$patch"
+  T=${COMPARE_TESTS_TIMEOUT:-240}  # a failing test is reported; the timing still runs
+  logged env -C "$new" PYTHONPATH="$new" python3 -m pytest -q -rs -m gpu tests/megamoe -p no:cacheprovider ||
+    echo "the patched copy's GPU tests failed" | tee -a "$LOG"
+  T=$((t - 120 - T))
+  logged env -C "$new" PYTHONPATH="$new:$old" XSTAGE_GIT_COMMIT="$COMMIT+$COMPARE_PATCH" \
+    python3 -m benchmarks.megamoe_old_vs_new --old "$old" --out "$W/megamoe_$COMPARE_PATCH.json" "${ARGS[@]}"
 }
 stage_moe() {  # 36 rows x 6 columns (W4A8's 2 more columns do not fit the call: run them with --columns); the
   # regret tool needs no GPU

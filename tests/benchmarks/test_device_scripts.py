@@ -108,6 +108,29 @@ def test_every_stage_dry_runs(script, stage, tmp_path):
     assert f"{stage} rc=0" in r.stdout
 
 
+def test_h200_compare_patch_tests_then_times_a_patched_copy_against_this_tree(tmp_path):
+    """COMPARE_PATCH=NAME: old exported from the tree as it came, new a copy with docs/experiments/NAME.patch,
+    the copy's MegaMoE GPU tests before the pairs, which take COMPARE_ARGS; the steps' timeouts fit the stage's."""
+    name = sorted((ROOT / "docs" / "experiments").glob("*.patch"))
+    if not name:
+        pytest.skip("no patch waits in docs/experiments: nothing to dry-run COMPARE_PATCH with")
+    name = name[0].stem
+    r = dry_run("h200.sh", "compare", out=tmp_path, env={"COMPARE_PATCH": name, "COMPARE_ARGS": "--pairs 7"})
+    assert r.returncode == 0 and "compare rc=0" in r.stdout, r.stdout + r.stderr
+    check_commands(r.stdout)
+    steps = [line for line in r.stdout.splitlines() if line.startswith("+ timeout ")]
+    assert len(steps) == 4, steps
+    assert "-m benchmarks.old_vs_new --prepare WORKTREE --old /tmp/xstage-old" in steps[0]
+    assert f"docs/experiments/{name}.patch" in r.stdout and "patch -d" in r.stdout
+    assert "env -C /tmp/xstage-new PYTHONPATH=/tmp/xstage-new python3 -m pytest" in steps[2]
+    assert "-m gpu tests/megamoe" in steps[2]
+    assert "PYTHONPATH=/tmp/xstage-new:/tmp/xstage-old" in steps[3] and steps[3].endswith("--pairs 7")
+    assert f"--out {tmp_path}/h200/megamoe_{name}.json" in steps[3]
+    assert sum(int(line.split()[2]) for line in steps) == 540 and "(timeout 540s;" in r.stdout
+    missing = dry_run("h200.sh", "compare", out=tmp_path, env={"COMPARE_PATCH": "no_such_patch"})
+    assert missing.returncode == 0 and "skipped compare: no " in missing.stdout, missing.stdout
+
+
 def test_h200x2_moe_stage_runs_its_five_commands_within_its_timeout(tmp_path):
     """Issue 31, items 3-4 in one call: the multi-GPU MegaMoE test, the bench at real EP = 2, the matrix at
     EP = 2 with --dump and --max-minutes inside its share, the analysis of that dump, auto's regret on the
