@@ -20,15 +20,15 @@ import json
 import sys
 from types import SimpleNamespace
 
-OURS = ("ours_fp8_wave", "ours_fp8_interleaved", "ours_bf16_wave", "ours_bf16_interleaved", "ours_w4a8_wave",
-        "ours_w4a8_interleaved")
+from benchmarks.megamoe import DTYPES, SCHEDULES, column_dtype, routed_mma_rows
+
+OURS = tuple(f"ours_{d}_{s}" for d in DTYPES for s in SCHEDULES)  # the bench's columns of ours
 
 
 def row_mma_rows(row: dict) -> tuple[int, str]:
     """(the row's mma_rows, "recorded" or "from the seed")."""
     if "mma_rows" in row:
         return row["mma_rows"], "recorded"
-    from benchmarks.megamoe import routed_mma_rows
     from megamoe.reference import make_routing
 
     idx, _ = make_routing(row["tokens"], row["num_experts"], row["top_k"], row["routing"], row["seed"])
@@ -50,12 +50,12 @@ def padding_rows(result: dict) -> list[dict]:
         if mma < row["rows"]:
             raise ValueError(f"row {row['shape']} {row['tokens_per_rank']} {row['routing']}: mma_rows {mma} < "
                              f"routed rows {row['rows']}: not this kernel's tiling (megamoe.schedule.mma_rows)")
+        flops = moe_flops(SimpleNamespace(hidden=row["hidden"], intermediate=row["intermediate"]), mma)
         for name in OURS:
             c = row["columns"].get(name, {})
             if "us" not in c:
                 continue
-            flops = moe_flops(SimpleNamespace(hidden=row["hidden"], intermediate=row["intermediate"]), mma)
-            dtype = c.get("dtype") or name.split("_")[1]
+            dtype = column_dtype(name)
             out.append({"shape": row["shape"], "world": row["world"], "tokens_per_rank": row["tokens_per_rank"],
                         "routing": row["routing"], "column": name, "rows": row["rows"], "mma_rows": mma,
                         "mma_rows_source": source, "padding": 1 - row["rows"] / mma, "us": c["us"],
