@@ -162,8 +162,7 @@ def run(args) -> None:
 def fill_stale_rows(layers, seed: int) -> None:
     """Every layer's pool and intermediate rows filled with seeded random values (bf16 or e4m3 as stored): what
     earlier launches with other routings leave in the rows past an expert's tokens when serving. A fresh arena
-    holds zeros there, which the Tensor Cores are expected to multiply for less energy than data (not yet
-    measured: docs/experiments/README.md, pad_zero)."""
+    holds zeros there; zeros saved under 1% of the energy (docs/FINDINGS.md, pad_zero)."""
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
