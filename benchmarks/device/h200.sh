@@ -15,7 +15,8 @@
 #                   prepare .oldtree here with --prepare COMMIT and carry it); COMPARE_WHAT=moe: its MegaMoE
 #                   instead (python -m benchmarks.megamoe_old_vs_new, W8A8 and bf16 at 8192 tokens, world 1);
 #                   COMPARE_PATCH=NAME: this tree's MegaMoE (old, exported here) against a copy of it with
-#                   docs/experiments/NAME.patch applied (new), whose MegaMoE GPU tests run first
+#                   docs/experiments/NAME.patch applied (new), whose MegaMoE GPU tests run first; NAME+NAME2
+#                   applies both, in that order (a patch written on top of another)
 #   moe             xstage bench megamoe, every column (bf16 and W8A8, both orders, the unfused paths), then
 #                   schedule="auto"'s regret on it (python -m benchmarks.megamoe_auto)
 #   moedump         the matrix with --dump at emulated P = 2, 8192 tokens (dsv4-flash, qwen3-moe, dit-moe; bf16
@@ -77,12 +78,18 @@ stage_compare() {  # old against new by adjacent pairs, with an old-against-old 
   fi
 }
 compare_patch() {  # no git, no carried tree: old is exported from this tree, new is a patched copy of it
-  local patch=$REPO/docs/experiments/$COMPARE_PATCH.patch old=/tmp/xstage-old new=/tmp/xstage-new t=$T
-  [ -f "$patch" ] || skip "no $patch"
+  local old=/tmp/xstage-old new=/tmp/xstage-new t=$T name patches=()
+  local -a names
+  IFS=+ read -ra names <<< "$COMPARE_PATCH"
+  for name in "${names[@]}"; do
+    [ -f "$REPO/docs/experiments/$name.patch" ] || skip "no $REPO/docs/experiments/$name.patch"
+    patches+=("$REPO/docs/experiments/$name.patch")
+  done
   T=60
   logged python3 -m benchmarks.old_vs_new --prepare WORKTREE --old "$old"
   logged bash -c 'rm -rf "$0" && mkdir "$0" && tar -C "$1" --exclude=./.devbundle --exclude=./.venv --exclude=./.git \
-    --exclude=./.oldtree -cf - . | tar -C "$0" -xf - && patch -d "$0" -p1 -s < "$2"' "$new" "$REPO" "$patch"
+    --exclude=./.oldtree -cf - . | tar -C "$0" -xf - && for p in "${@:2}"; do patch -d "$0" -p1 -s < "$p" || exit 1; done' \
+    "$new" "$REPO" "${patches[@]}"
   T=${COMPARE_TESTS_TIMEOUT:-240}  # a failing test is reported; the timing still runs
   local rc=0
   logged env -C "$new" PYTHONPATH="$new" python3 -m pytest -q -rs -m gpu tests/megamoe -p no:cacheprovider || rc=$?

@@ -131,6 +131,26 @@ def test_h200_compare_patch_tests_then_times_a_patched_copy_against_this_tree(tm
     assert missing.returncode == 0 and "skipped compare: no " in missing.stdout, missing.stdout
 
 
+def test_h200_compare_patch_stacks_names_joined_by_plus(tmp_path):
+    """COMPARE_PATCH=A+B: the copy gets A then B (a patch written on top of another); the result is named by
+    both; a missing one skips the stage before anything runs."""
+    names = [p.stem for p in sorted((ROOT / "docs" / "experiments").glob("*.patch"))]
+    if len(names) < 2:
+        pytest.skip("fewer than two patches wait in docs/experiments: nothing to stack")
+    both = "+".join(names[:2])
+    r = dry_run("h200.sh", "compare", out=tmp_path, env={"COMPARE_PATCH": both, "COMPARE_ARGS": "--pairs 3"})
+    assert r.returncode == 0 and "compare rc=0" in r.stdout, r.stdout + r.stderr
+    check_commands(r.stdout)
+    copy = [line for line in r.stdout.splitlines() if "patch -d" in line or ".patch" in line]
+    text = "\n".join(copy)
+    first, second = (text.find(f"docs/experiments/{n}.patch") for n in names[:2])
+    assert 0 <= first < second, text
+    assert f"--out {tmp_path}/h200/megamoe_{both}.json" in r.stdout
+    missing = dry_run("h200.sh", "compare", out=tmp_path, env={"COMPARE_PATCH": names[0] + "+no_such_patch"})
+    assert missing.returncode == 0 and "skipped compare: no " in missing.stdout, missing.stdout
+    assert "--prepare WORKTREE" not in missing.stdout
+
+
 def test_h200x2_moe_stage_runs_its_five_commands_within_its_timeout(tmp_path):
     """Issue 31, items 3-4 in one call: the multi-GPU MegaMoE test, the bench at real EP = 2, the matrix at
     EP = 2 with --dump and --max-minutes inside its share, the analysis of that dump, auto's regret on the
