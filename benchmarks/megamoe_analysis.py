@@ -138,6 +138,23 @@ def full_tile_mask(a: dict) -> np.ndarray:
     return a["m"] < np.array([last[k] for k in key.tolist()], dtype=a["m"].dtype)
 
 
+def weight_block_start_spread(a: dict) -> np.ndarray:
+    """For each weight block that more than one tile reads (the same rank, kind, expert and N block: the
+    expert's M blocks), its tiles' start spread in us (the latest t_entry less the earliest). Tiles that read a
+    block together share its DRAM fill; a spread near a tile's time means each fills it alone (swap_tails in
+    docs/FINDINGS.md: 0.10 us median in main, 60 us when cheaper tails let CTAs drift)."""
+    rank = a["rank"] if "rank" in a else np.zeros_like(a["cta"])
+    keys = np.stack([rank, a["kind"], a["expert"], a["n"]], axis=1)
+    _, inv, counts = np.unique(keys, axis=0, return_inverse=True, return_counts=True)
+    inv = np.asarray(inv).ravel()
+    t = np.asarray(a["t_entry"], dtype=np.int64)
+    lo = np.full(counts.size, np.iinfo(np.int64).max)
+    hi = np.full(counts.size, np.iinfo(np.int64).min)
+    np.minimum.at(lo, inv, t)
+    np.maximum.at(hi, inv, t)
+    return (hi - lo)[counts > 1] * 1e-3
+
+
 def tile_table(a: dict, clock_ghz: float = DEFAULT_CLOCK_GHZ) -> dict:
     """Per-tile derived quantities (us) in stream order, and for each L2 tile with a successor in its CTA the
     (a)-(d) of the module docstring. Keys ending in _succ are indexed by the L2 tiles that have a successor."""
@@ -230,6 +247,7 @@ def entry_summary(entry: dict, clock_ghz: float = DEFAULT_CLOCK_GHZ) -> dict:
         "clock_ghz_used": clock_ghz,
         "clock_ghz_lower_bound": (float((a["t_rs"][a["kind"] == L2] / np.maximum(ep_ns, 1)).max())
                                   if ep_ns.size and not staged else None),
+        "weight_block_start_spread_us": _stats(weight_block_start_spread(a)),
         "span_us": float((a["t_end"].max() - a["t_entry"].min()) * 1e-3),
         # emulated ranks own different experts: skewed routing loads them unevenly, the kernel waits for the last
         "rank_end_us": {int(r): float((a["t_end"][a["rank"] == r].max() - a["t_entry"].min()) * 1e-3)
@@ -393,6 +411,19 @@ def stall_markdown(table: dict, title: str = "") -> str:
         for r in table["rows"]:
             cells = [_per_order(r, lambda e, p=p: kind_text(e, p), "sm_clock_ghz") for p in parts]
             out.append("| " + " | ".join(_row_key(r) + cells) + " |")
+        out.append("")
+    if any(s.get("weight_block_start_spread_us", {}).get("n") for s in every):
+        out += ["## Weight-block mates", "",
+                "Tiles reading one weight block (the same kind, expert and N block) share its DRAM fill while they "
+                "run together: their start spread (latest start less earliest), µs, median and p90 over the "
+                "blocks read by more than one tile, wave / interleaved.", "",
+                ROW_KEY_HEADER + "blocks | spread median | spread p90 |", "|" + "---|" * 8]
+        for r in table["rows"]:
+            def spread(get, nd=2, r=r):
+                return _per_order(r, lambda e: _f(get(e["weight_block_start_spread_us"]), nd),
+                                  "weight_block_start_spread_us")
+            out.append("| " + " | ".join(_row_key(r) + [spread(lambda v: v["n"], 0), spread(lambda v: v["median"]),
+                                                         spread(lambda v: v["p90"])]) + " |")
         out.append("")
     out += ["## Definitions", "", "```", table["definitions"], "```", ""]
     return "\n".join(out)

@@ -319,3 +319,22 @@ def test_phase_names_follow_the_kernels_stamps():
     from megamoe.epilogue import PHASES
 
     assert ma.PHASE_NAMES == PHASES
+
+
+def test_weight_block_mates_start_spread():
+    """Tiles of one weight block (rank, kind, expert, N block) are grouped and their start spread reported; a
+    block read by one tile has none. The synthetic streams give two such blocks on rank 0 (CTAs 0 and 1 at slots
+    0 and 1: L1 and L2 of expert 0), each started 1.0 us apart (CTA 1 starts 1000 ns later)."""
+    a = synthetic()
+    spread = ma.weight_block_start_spread(a)
+    assert sorted(spread.tolist()) == pytest.approx([1.0, 1.0])
+    a["t_entry"] = np.where((a["rank"] == 0) & (a["cta"] == 1) & (a["n"] == 0), a["t_entry"] + 4000, a["t_entry"])
+    assert sorted(ma.weight_block_start_spread(a).tolist()) == pytest.approx([1.0, 5.0])
+    entry = {"shape": "tiny", "tokens_per_rank": 64, "routing": "skewed", "world": 2, "dtype": "bf16",
+             "schedule": "wave", "column": "ours_bf16_wave", "arrays": a}
+    s = ma.entry_summary(entry, CLOCK)["weight_block_start_spread_us"]
+    assert s["n"] == 2 and s["median"] == pytest.approx(3.0)
+    md = ma.stall_markdown(ma.stall_table([entry], CLOCK))
+    assert "## Weight-block mates" in md and "| 2 / - | 3.00 / - |" in md.split("Weight-block mates")[1]
+    del a["rank"]  # a world-1 dump without ranks: one rank
+    assert ma.weight_block_start_spread(a).size == 2
