@@ -88,8 +88,8 @@ compare_patch() {  # no git, no carried tree: old is exported from this tree, ne
   T=60
   logged python3 -m benchmarks.old_vs_new --prepare WORKTREE --old "$old"
   logged bash -c 'rm -rf "$0" && mkdir "$0" && tar -C "$1" --exclude=./.devbundle --exclude=./.venv --exclude=./.git \
-    --exclude=./.oldtree -cf - . | tar -C "$0" -xf - && for p in "${@:2}"; do patch -d "$0" -p1 -s < "$p" || exit 1; done' \
-    "$new" "$REPO" "${patches[@]}"
+    --exclude=./.oldtree -cf - . | tar -C "$0" -xf - &&
+    for p in "${@:2}"; do patch -d "$0" -p1 -s < "$p" || exit 1; done' "$new" "$REPO" "${patches[@]}"
   T=${COMPARE_TESTS_TIMEOUT:-240}  # a failing test is reported; the timing still runs
   local rc=0
   logged env -C "$new" PYTHONPATH="$new" python3 -m pytest -q -rs -m gpu tests/megamoe -p no:cacheprovider || rc=$?
