@@ -16,7 +16,8 @@
 #                   instead (python -m benchmarks.megamoe_old_vs_new, W8A8 and bf16 at 8192 tokens, world 1);
 #                   COMPARE_PATCH=NAME: this tree's MegaMoE (old, exported here) against a copy of it with
 #                   docs/experiments/NAME.patch applied (new), whose MegaMoE GPU tests run first; NAME+NAME2
-#                   applies both, in that order (a patch written on top of another)
+#                   applies both, in that order (a patch written on top of another); A,B+C times each variant
+#                   against the same old in one call (the first variant's tests only)
 #   moe             xstage bench megamoe, every column (bf16 and W8A8, both orders, the unfused paths), then
 #                   schedule="auto"'s regret on it (python -m benchmarks.megamoe_auto)
 #   moedump         the matrix with --dump at emulated P = 2, 8192 tokens (dsv4-flash, qwen3-moe, dit-moe; bf16
@@ -77,27 +78,41 @@ stage_compare() {  # old against new by adjacent pairs, with an old-against-old 
       "${ARGS[@]}"
   fi
 }
-compare_patch() {  # no git, no carried tree: old is exported from this tree, new is a patched copy of it
-  local old=/tmp/xstage-old new=/tmp/xstage-new t=$T name patches=()
-  local -a names
-  IFS=+ read -ra names <<< "$COMPARE_PATCH"
-  for name in "${names[@]}"; do
-    [ -f "$REPO/docs/experiments/$name.patch" ] || skip "no $REPO/docs/experiments/$name.patch"
-    patches+=("$REPO/docs/experiments/$name.patch")
+compare_patch() {  # no git, no carried tree: old is exported from this tree, each new a patched copy of it
+  local old=/tmp/xstage-old t=$T variant name k=0 share rc=0
+  local -a variants names paths
+  IFS=, read -ra variants <<< "$COMPARE_PATCH"
+  for variant in "${variants[@]}"; do
+    IFS=+ read -ra names <<< "$variant"
+    for name in "${names[@]}"; do
+      [ -f "$REPO/docs/experiments/$name.patch" ] || skip "no $REPO/docs/experiments/$name.patch"
+    done
   done
   T=60
   logged python3 -m benchmarks.old_vs_new --prepare WORKTREE --old "$old"
-  logged bash -c 'rm -rf "$0" && mkdir "$0" && tar -C "$1" --exclude=./.devbundle --exclude=./.venv --exclude=./.git \
-    --exclude=./.oldtree -cf - . | tar -C "$0" -xf - &&
-    for p in "${@:2}"; do patch -d "$0" -p1 -s < "$p" || exit 1; done' "$new" "$REPO" "${patches[@]}"
-  T=${COMPARE_TESTS_TIMEOUT:-240}  # a failing test is reported; the timing still runs
-  local rc=0
-  logged env -C "$new" PYTHONPATH="$new" python3 -m pytest -q -rs -m gpu tests/megamoe -p no:cacheprovider || rc=$?
+  for variant in "${variants[@]}"; do
+    IFS=+ read -ra names <<< "$variant"
+    paths=()
+    for name in "${names[@]}"; do paths+=("$REPO/docs/experiments/$name.patch"); done
+    logged bash -c 'rm -rf "$0" && mkdir "$0" && tar -C "$1" --exclude=./.devbundle --exclude=./.venv \
+      --exclude=./.git --exclude=./.oldtree -cf - . | tar -C "$0" -xf - &&
+      for p in "${@:2}"; do patch -d "$0" -p1 -s < "$p" || exit 1; done' \
+      "/tmp/xstage-new$k" "$REPO" "${paths[@]}"
+    k=$((k + 1))
+  done
+  T=${COMPARE_TESTS_TIMEOUT:-240}  # the first variant's tests; a failing test is reported, the timing still runs
+  logged env -C /tmp/xstage-new0 PYTHONPATH=/tmp/xstage-new0 python3 -m pytest -q -rs -m gpu tests/megamoe \
+    -p no:cacheprovider || rc=$?
   [ "$rc" -eq 0 ] || echo "the patched copy's GPU tests: rc $rc (124: out of time, which is not a failure)" |
     tee -a "$LOG"
-  T=$((t - 120 - T))
-  logged env -C "$new" PYTHONPATH="$new:$old" XSTAGE_GIT_COMMIT="$COMMIT+$COMPARE_PATCH" \
-    python3 -m benchmarks.megamoe_old_vs_new --old "$old" --out "$W/megamoe_$COMPARE_PATCH.json" "${ARGS[@]}"
+  share=$(((t - 60 - 60 * k - T) / k))
+  k=0
+  for variant in "${variants[@]}"; do
+    T=$share
+    logged env -C "/tmp/xstage-new$k" PYTHONPATH="/tmp/xstage-new$k:$old" XSTAGE_GIT_COMMIT="$COMMIT+$variant" \
+      python3 -m benchmarks.megamoe_old_vs_new --old "$old" --out "$W/megamoe_$variant.json" "${ARGS[@]}"
+    k=$((k + 1))
+  done
 }
 stage_moe() {  # 36 rows x 6 columns (W4A8's 2 more columns do not fit the call: run them with --columns); the
   # regret tool needs no GPU

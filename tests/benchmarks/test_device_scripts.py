@@ -122,9 +122,9 @@ def test_h200_compare_patch_tests_then_times_a_patched_copy_against_this_tree(tm
     assert len(steps) == 4, steps
     assert "-m benchmarks.old_vs_new --prepare WORKTREE --old /tmp/xstage-old" in steps[0]
     assert f"docs/experiments/{name}.patch" in r.stdout and "patch -d" in r.stdout
-    assert "env -C /tmp/xstage-new PYTHONPATH=/tmp/xstage-new python3 -m pytest" in steps[2]
+    assert "env -C /tmp/xstage-new0 PYTHONPATH=/tmp/xstage-new0 python3 -m pytest" in steps[2]
     assert "-m gpu tests/megamoe" in steps[2]
-    assert "PYTHONPATH=/tmp/xstage-new:/tmp/xstage-old" in steps[3] and steps[3].endswith("--pairs 7")
+    assert "PYTHONPATH=/tmp/xstage-new0:/tmp/xstage-old" in steps[3] and steps[3].endswith("--pairs 7")
     assert f"--out {tmp_path}/h200/megamoe_{name}.json" in steps[3]
     assert sum(int(line.split()[2]) for line in steps) == 540 and "(timeout 540s;" in r.stdout
     missing = dry_run("h200.sh", "compare", out=tmp_path, env={"COMPARE_PATCH": "no_such_patch"})
@@ -149,6 +149,29 @@ def test_h200_compare_patch_stacks_names_joined_by_plus(tmp_path):
     missing = dry_run("h200.sh", "compare", out=tmp_path, env={"COMPARE_PATCH": names[0] + "+no_such_patch"})
     assert missing.returncode == 0 and "skipped compare: no " in missing.stdout, missing.stdout
     assert "--prepare WORKTREE" not in missing.stdout
+
+
+def test_h200_compare_patch_times_comma_separated_variants_in_one_call(tmp_path):
+    """COMPARE_PATCH=A,A+B: one copy per variant (A; A then B), the first variant's GPU tests once, then each
+    variant against the same old in its own process and result file, the stage's 540 s shared out."""
+    names = [p.stem for p in sorted((ROOT / "docs" / "experiments").glob("*.patch"))]
+    if len(names) < 2:
+        pytest.skip("fewer than two patches wait in docs/experiments: nothing to stack")
+    a, b = names[:2]
+    env = {"COMPARE_PATCH": f"{a},{a}+{b}", "COMPARE_ARGS": "--pairs 5", "COMPARE_TESTS_TIMEOUT": "150"}
+    r = dry_run("h200.sh", "compare", out=tmp_path, env=env)
+    assert r.returncode == 0 and "compare rc=0" in r.stdout, r.stdout + r.stderr
+    steps = [line for line in r.stdout.splitlines() if line.startswith("+ timeout ")]
+    assert len(steps) == 6, steps  # prepare, two copies, the tests, two comparisons
+    copies = [line for line in r.stdout.splitlines() if "exit 1; done'" in line]
+    assert len(copies) == 2 and copies[0].endswith(f"/tmp/xstage-new0 {ROOT} {ROOT}/docs/experiments/{a}.patch")
+    assert copies[1].endswith(f"{ROOT}/docs/experiments/{a}.patch {ROOT}/docs/experiments/{b}.patch")
+    assert sum("-m pytest" in line for line in steps) == 1 and "/tmp/xstage-new0 " in steps[3]
+    for k, variant in enumerate((a, f"{a}+{b}")):
+        step = steps[4 + k]
+        assert f"PYTHONPATH=/tmp/xstage-new{k}:/tmp/xstage-old XSTAGE_GIT_COMMIT={COMMIT}+{variant} " in step
+        assert f"--out {tmp_path}/h200/megamoe_{variant}.json" in step and step.endswith("--pairs 5")
+    assert sum(int(line.split()[2]) for line in steps) == 540
 
 
 def test_h200x2_moe_stage_runs_its_five_commands_within_its_timeout(tmp_path):
