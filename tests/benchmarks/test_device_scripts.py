@@ -131,29 +131,10 @@ def test_h200_compare_patch_tests_then_times_a_patched_copy_against_this_tree(tm
     assert missing.returncode == 0 and "skipped compare: no " in missing.stdout, missing.stdout
 
 
-def test_h200_compare_patch_stacks_names_joined_by_plus(tmp_path):
-    """COMPARE_PATCH=A+B: the copy gets A then B (a patch written on top of another); the result is named by
-    both; a missing one skips the stage before anything runs."""
-    names = [p.stem for p in sorted((ROOT / "docs" / "experiments").glob("*.patch"))]
-    if len(names) < 2:
-        pytest.skip("fewer than two patches wait in docs/experiments: nothing to stack")
-    both = "+".join(names[:2])
-    r = dry_run("h200.sh", "compare", out=tmp_path, env={"COMPARE_PATCH": both, "COMPARE_ARGS": "--pairs 3"})
-    assert r.returncode == 0 and "compare rc=0" in r.stdout, r.stdout + r.stderr
-    check_commands(r.stdout)
-    copy = [line for line in r.stdout.splitlines() if "patch -d" in line or ".patch" in line]
-    text = "\n".join(copy)
-    first, second = (text.find(f"docs/experiments/{n}.patch") for n in names[:2])
-    assert 0 <= first < second, text
-    assert f"--out {tmp_path}/h200/megamoe_{both}.json" in r.stdout
-    missing = dry_run("h200.sh", "compare", out=tmp_path, env={"COMPARE_PATCH": names[0] + "+no_such_patch"})
-    assert missing.returncode == 0 and "skipped compare: no " in missing.stdout, missing.stdout
-    assert "--prepare WORKTREE" not in missing.stdout
-
-
 def test_h200_compare_patch_times_comma_separated_variants_in_one_call(tmp_path):
-    """COMPARE_PATCH=A,A+B: one copy per variant (A; A then B), the first variant's GPU tests once, then each
-    variant against the same old in its own process and result file, the stage's 540 s shared out."""
+    """COMPARE_PATCH=A,A+B: one copy per variant (A; A then B: a patch written on top of another), the first
+    variant's GPU tests once, then each variant against the same old in its own process and result file, the
+    stage's 540 s shared out; a missing patch in any variant skips the stage before anything runs."""
     names = [p.stem for p in sorted((ROOT / "docs" / "experiments").glob("*.patch"))]
     if len(names) < 2:
         pytest.skip("fewer than two patches wait in docs/experiments: nothing to stack")
@@ -161,6 +142,7 @@ def test_h200_compare_patch_times_comma_separated_variants_in_one_call(tmp_path)
     env = {"COMPARE_PATCH": f"{a},{a}+{b}", "COMPARE_ARGS": "--pairs 5", "COMPARE_TESTS_TIMEOUT": "150"}
     r = dry_run("h200.sh", "compare", out=tmp_path, env=env)
     assert r.returncode == 0 and "compare rc=0" in r.stdout, r.stdout + r.stderr
+    check_commands(r.stdout)
     steps = [line for line in r.stdout.splitlines() if line.startswith("+ timeout ")]
     assert len(steps) == 6, steps  # prepare, two copies, the tests, two comparisons
     copies = [line for line in r.stdout.splitlines() if "exit 1; done'" in line]
@@ -172,6 +154,9 @@ def test_h200_compare_patch_times_comma_separated_variants_in_one_call(tmp_path)
         assert f"PYTHONPATH=/tmp/xstage-new{k}:/tmp/xstage-old XSTAGE_GIT_COMMIT={COMMIT}+{variant} " in step
         assert f"--out {tmp_path}/h200/megamoe_{variant}.json" in step and step.endswith("--pairs 5")
     assert sum(int(line.split()[2]) for line in steps) == 540
+    missing = dry_run("h200.sh", "compare", out=tmp_path, env={"COMPARE_PATCH": f"{a},{a}+no_such_patch"})
+    assert missing.returncode == 0 and "skipped compare: no " in missing.stdout, missing.stdout
+    assert "--prepare WORKTREE" not in missing.stdout
 
 
 def test_h200x2_moe_stage_runs_its_five_commands_within_its_timeout(tmp_path):
