@@ -90,6 +90,7 @@ compare_patch() {  # no git, no carried tree: old is exported from this tree, ea
   done
   T=60
   logged python3 -m benchmarks.old_vs_new --prepare WORKTREE --old "$old"
+  T=30  # a copy of the tree and its patches: seconds
   for variant in "${variants[@]}"; do
     IFS=+ read -ra names <<< "$variant"
     paths=()
@@ -105,7 +106,7 @@ compare_patch() {  # no git, no carried tree: old is exported from this tree, ea
     -p no:cacheprovider || rc=$?
   [ "$rc" -eq 0 ] || echo "the patched copy's GPU tests: rc $rc (124: out of time, which is not a failure)" |
     tee -a "$LOG"
-  share=$(((t - 60 - 60 * k - T) / k))
+  share=$(((t - 60 - 30 * k - T) / k))
   k=0
   for variant in "${variants[@]}"; do
     T=$share
