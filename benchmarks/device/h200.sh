@@ -80,21 +80,22 @@ stage_compare() {  # old against new by adjacent pairs, with an old-against-old 
 }
 compare_patch() {  # no git, no carried tree: old is exported from this tree, each new a patched copy of it
   local old=/tmp/xstage-old t=$T variant name k=0 share rc=0
-  local -a variants names paths
+  local -a variants names paths patch_lists  # patch_lists[k]: variant k's patch paths, space-separated
   IFS=, read -ra variants <<< "$COMPARE_PATCH"
-  for variant in "${variants[@]}"; do
+  for variant in "${variants[@]}"; do  # every patch checked before any step runs
     IFS=+ read -ra names <<< "$variant"
+    paths=()
     for name in "${names[@]}"; do
       [ -f "$REPO/docs/experiments/$name.patch" ] || skip "no $REPO/docs/experiments/$name.patch"
+      paths+=("$REPO/docs/experiments/$name.patch")
     done
+    patch_lists+=("${paths[*]}")
   done
   T=60
   logged python3 -m benchmarks.old_vs_new --prepare WORKTREE --old "$old"
   T=30  # a copy of the tree and its patches: seconds
   for variant in "${variants[@]}"; do
-    IFS=+ read -ra names <<< "$variant"
-    paths=()
-    for name in "${names[@]}"; do paths+=("$REPO/docs/experiments/$name.patch"); done
+    read -ra paths <<< "${patch_lists[$k]}"
     logged bash -c 'rm -rf "$0" && mkdir "$0" && tar -C "$1" --exclude=./.devbundle --exclude=./.venv \
       --exclude=./.git --exclude=./.oldtree -cf - . | tar -C "$0" -xf - &&
       for p in "${@:2}"; do patch -d "$0" -p1 -s < "$p" || exit 1; done' \
