@@ -79,7 +79,7 @@ stage_compare() {  # old against new by adjacent pairs, with an old-against-old 
   fi
 }
 compare_patch() {  # no git, no carried tree: old is exported from this tree, each new a patched copy of it
-  local old=/tmp/xstage-old t=$T variant name k=0 share rc=0
+  local old=/tmp/xstage-old t=$T variant name list k=0 share rc=0
   local -a variants names paths patch_lists  # patch_lists[k]: variant k's patch paths, space-separated
   IFS=, read -ra variants <<< "$COMPARE_PATCH"
   for variant in "${variants[@]}"; do  # every patch checked before any step runs
@@ -94,8 +94,8 @@ compare_patch() {  # no git, no carried tree: old is exported from this tree, ea
   T=60
   logged python3 -m benchmarks.old_vs_new --prepare WORKTREE --old "$old"
   T=30  # a copy of the tree and its patches: seconds
-  for variant in "${variants[@]}"; do
-    read -ra paths <<< "${patch_lists[$k]}"
+  for list in "${patch_lists[@]}"; do
+    read -ra paths <<< "$list"
     logged bash -c 'rm -rf "$0" && mkdir "$0" && tar -C "$1" --exclude=./.devbundle --exclude=./.venv \
       --exclude=./.git --exclude=./.oldtree -cf - . | tar -C "$0" -xf - &&
       for p in "${@:2}"; do patch -d "$0" -p1 -s < "$p" || exit 1; done' \
